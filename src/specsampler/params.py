@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, broadcast to the rows they apply to."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
+
+# name -> (dtype kind, dtype, rule for bad values, what is expected)
+_FIELDS = {
+    "temperature": ("float", torch.float32, lambda v: ~torch.isfinite(v) | (v < 0), "a finite value >= 0"),
+    "top_k": ("int", torch.int64, None, "an integer"),
+    "top_p": ("float", torch.float32, lambda v: ~((v > 0) & (v <= 1)), "a value in (0, 1]"),
+    "min_p": ("float", torch.float32, lambda v: ~((v >= 0) & (v <= 1)), "a value in [0, 1]"),
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target distribution is processed from logits; each field a scalar or a 1-D tensor ``[B]``.
+
+    Args:
+        temperature: ``>= 0``; ``0`` means greedy (argmax, ties to the lowest id).
+        top_k: keep the ``k`` most likely tokens (ties to the lower id); ``<= 0`` or ``>= V`` is off.
+        top_p: in ``(0, 1]``; keep the smallest prefix of the (probability desc, id asc) order,
+            on the top-k-renormalised distribution, whose mass reaches ``top_p``; ``1`` is off.
+        min_p: in ``[0, 1]``; keep tokens with probability ``>= min_p * max probability``.
+
+    Order of application (DESIGN.md): vocab mask, temperature, top-k, top-p, min-p,
+    renormalise. "Order" means logit desc, id asc: the order of the probabilities, with ties
+    broken by the lower id.
+
+    Scalars are checked here; tensors are checked when used (their values only where that
+    costs no device sync, or with ``validate="full"``).
+    """
+
+    temperature: float | Tensor = 1.0
+    top_k: int | Tensor = 0
+    top_p: float | Tensor = 1.0
+    min_p: float | Tensor = 0.0
+
+    def __post_init__(self):
+        for name, (kind, _, bad, want) in _FIELDS.items():
+            v = getattr(self, name)
+            full_name = f"SamplingParams.{name}"
+            if isinstance(v, Tensor):
+                check_tensor("SamplingParams", full_name, v, kind=kind, ndim=(0, 1))
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                fail("SamplingParams", full_name, "a number or a 1-D tensor [B]", repr(v))
+            if kind == "int" and not float(v).is_integer():
+                fail("SamplingParams", full_name, "an integer", repr(v))
+            if kind == "float" and (not math.isfinite(v) or bool(bad(torch.tensor(float(v))))):
+                fail("SamplingParams", full_name, want, v)
+
+    def rows(self, op: str, batch: int, per_request: int, device: torch.device, full: bool) -> RowParams:
+        """The parameters of each of ``batch * per_request`` rows (request-major), validated."""
+        out = {}
+        for name, (_, dtype, bad, want) in _FIELDS.items():
+            v = getattr(self, name)
+            full_name = f"SamplingParams.{name}"
+            if isinstance(v, Tensor):
+                if v.dim() == 1:
+                    check_shape(op, full_name, v, (batch,), "[B]")
+                if bad is not None and values_checkable(v, full):
+                    check_no_bad(op, full_name, bad(v.to(dtype)), v, want)
+                v = v.to(device=device, dtype=dtype).expand(batch)
+            else:
+                v = torch.full((batch,), v, dtype=dtype, device=device)
+            out[name] = v.repeat_interleave(per_request) if per_request != 1 else v.contiguous()
+        return RowParams(**out)
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Parameters per row ``[R]``: temperature float32, top_k int64, top_p float32, min_p float32."""
+
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    min_p: Tensor
+
+    def take(self, rows: Tensor) -> RowParams:
+        """The parameters of a subset of rows (int64 indices)."""
+        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])

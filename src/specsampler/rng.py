@@ -1,0 +1,146 @@
+"""Randomness for every stochastic op: ``rng=None | torch.Generator | Philox``.
+
+- ``None``: the global torch generator of the device of the inputs.
+- a ``torch.Generator``: uniforms come from ``torch.rand(..., generator=g)``; results depend
+  on the whole batch (the generator is shared).
+- :class:`Philox` ``(seed, offset=0)``: counter-based streams per request. Request ``b`` draws
+  from the stream keyed by ``(seed[b], offset[b])``, so its result is a function of its own
+  inputs, seed and offset alone: not of batch size, position or neighbours.
+
+Counter layout (the contract the Triton kernels follow, so they draw identical numbers).
+Philox4x32-10 as in Random123 and Triton's ``tl.philox``:
+
+- key ``(k0, k1)`` = low and high 32 bits of ``seed[b]`` (int64, two's complement);
+- counter ``(c0, c1, c2, c3)`` = ``(index, stream, low 32 bits of offset[b], high 32 bits)``;
+- uniform ``u = (first output word >> 8) * 2**-24``: float32, exactly representable, in
+  ``[0, 1)``; the other three words are unused.
+
+Streams and indices of each op (one call reads counters at one offset; the caller advances
+``offset``, by 1 per call, between steps):
+
+==============================  ==================  =========================================
+op                              stream              index
+==============================  ==================  =========================================
+sample, sample_from_logits      ``STREAM_SAMPLE``   flat position of the row inside request b
+                                                    (0 for ``[B, V]`` inputs; ``i`` for
+                                                    ``[B, K+1, V]``)
+chain: target draw / correction ``STREAM_SAMPLE``   position ``i`` it is drawn at
+chain token u_i, block eta_i    ``STREAM_ACCEPT``   position ``i``
+tree: draw / correction at v    ``STREAM_SAMPLE``   node ``v``
+tree rrs u_c, traversal a(l)    ``STREAM_ACCEPT``   node ``c`` (child tested) / ``l`` (leaf)
+==============================  ==================  =========================================
+
+Categorical draws use one uniform by inversion: the token is the first id ``j`` (in id
+order) whose cumulative probability exceeds ``u * total``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .validation import check_shape, check_tensor, fail
+
+STREAM_SAMPLE = 0
+STREAM_ACCEPT = 1
+
+_MASK32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+
+
+
+@dataclass(frozen=True)
+class Philox:
+    """Counter-based per-request random streams (Philox4x32-10).
+
+    Args:
+        seed: int, or int64 tensor ``[B]``: request b's key.
+        offset: int, or int64 tensor ``[B]``: request b's step counter. Keep it on the device
+            of the inputs and advance it in place between steps for CUDA-graph replays.
+    """
+
+    seed: int | Tensor
+    offset: int | Tensor = 0
+
+    def advance(self, steps: int = 1) -> Philox:
+        """The same seeds with ``offset + steps`` (a new object; tensors are not modified)."""
+        return Philox(self.seed, self.offset + steps)
+
+    def keys(self, op: str, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(seed, offset)`` as int64 tensors ``[batch]`` on ``device``."""
+        return _per_request(op, "Philox.seed", self.seed, batch, device), _per_request(
+            op, "Philox.offset", self.offset, batch, device
+        )
+
+
+def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.device) -> Tensor:
+    if isinstance(v, Tensor):
+        check_tensor(op, name, v, kind="int", ndim=(0, 1))
+        if v.dim() == 1:
+            check_shape(op, name, v, (batch,), "[B]")
+        return v.to(device=device, dtype=torch.int64).expand(batch)
+    if isinstance(v, bool) or not isinstance(v, int):
+        fail(op, name, "an int or an int64 tensor [B]", type(v).__name__)
+    if not -(2**63) <= v < 2**63:
+        fail(op, name, "a value that fits in int64", v)
+    return torch.full((batch,), v, dtype=torch.int64, device=device)
+
+
+def check_rng(op: str, rng: object) -> None:
+    if rng is not None and not isinstance(rng, (torch.Generator, Philox)):
+        fail(op, "rng", "None, a torch.Generator or specsampler.Philox", type(rng).__name__)
+
+
+def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
+    """High and low 32-bit words of ``a * b`` for a 32-bit constant and 32-bit values in int64."""
+    b_lo, b_hi = b & 0xFFFF, b >> 16
+    p_lo, p_hi = a * b_lo, a * b_hi  # each < 2**48: no overflow in int64
+    s = p_lo + ((p_hi & 0xFFFF) << 16)
+    return ((p_hi >> 16) + (s >> 32)) & _MASK32, s & _MASK32
+
+
+def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[Tensor, Tensor], rounds: int = 10):
+    """Philox4x32 on int64 tensors holding 32-bit words; returns the four output words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(_ROUND_A, c0)
+        hi1, lo1 = _mulhilo(_ROUND_B, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
+    """Uniforms in [0, 1) at the documented counters.
+
+    Args:
+        seed, offset: int64 ``[B]``.
+        index: int64 ``[B, n]``: the draw index of each uniform within its request.
+        stream: ``STREAM_SAMPLE`` or ``STREAM_ACCEPT``.
+    Returns:
+        float32 ``[B, n]``.
+    """
+    shape = index.shape
+    k0 = (seed & _MASK32)[:, None].expand(shape)
+    k1 = ((seed >> 32) & _MASK32)[:, None].expand(shape)
+    c0 = index & _MASK32
+    c1 = torch.full_like(c0, stream)
+    c2 = (offset & _MASK32)[:, None].expand(shape)
+    c3 = ((offset >> 32) & _MASK32)[:, None].expand(shape)
+    word = philox4x32((c0, c1, c2, c3), (k0, k1))[0]
+    return (word >> 8).to(torch.float32) * (2.0**-24)
+
+
+def uniform(rng, op: str, batch: int, count: int, stream: int, device: torch.device) -> Tensor:
+    """``count`` uniforms per request, float32 ``[batch, count]`` in [0, 1), at indices 0..count-1."""
+    if isinstance(rng, Philox):
+        seed, offset = rng.keys(op, batch, device)
+        index = torch.arange(count, device=device, dtype=torch.int64).expand(batch, count)
+        return philox_uniform(seed, offset, index, stream)
+    if isinstance(rng, torch.Generator):
+        return torch.rand((batch, count), generator=rng, device=rng.device).to(device)
+    return torch.rand((batch, count), device=device)

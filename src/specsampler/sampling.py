@@ -1,0 +1,383 @@
+"""Logits to processed probabilities, and categorical sampling.
+
+Processing (DESIGN.md): vocab mask, temperature, top-k, top-p on the top-k-renormalised
+distribution, min-p, renormalise. Temperature 0 is greedy: a one-hot row at the argmax.
+"Order" is logit (or probability) desc, id asc: top-k keeps exactly k tokens with ties
+to the lower id, and top-p keeps the smallest prefix of that order whose mass reaches p.
+
+A processed distribution is held compactly (:class:`Processed`). Rows whose kept set is
+bounded (greedy, top-k, a top-p nucleus found among the top candidates) keep only their
+ordered candidates ``[R, C]``; the others are dense ``[R, V]``. No full-vocabulary sort:
+top-k is a ``torch.topk``, and a nucleus is searched among the top 64, 512, 4096, ...
+candidates (a sort happens only when a nucleus holds a large part of the vocabulary).
+
+Sampling draws one uniform ``u`` per row (see :mod:`specsampler.rng` for the counters) and
+returns the first id, in id order, whose cumulative probability exceeds ``u * total``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .params import RowParams, SamplingParams
+from .rng import STREAM_SAMPLE, Philox, check_rng, uniform
+from .validation import (
+    check_logits_values,
+    check_mode,
+    check_no_bad,
+    check_probs_values,
+    check_tensor,
+    fail,
+    shape_str,
+)
+
+_FIRST_NUCLEUS_CANDIDATES = 64
+_NUCLEUS_GROWTH = 8
+
+
+class SampleOutput(NamedTuple):
+    """Result of :func:`sample_from_logits`; ``[B, ...]`` is the leading shape of the logits.
+
+    tokens: int64 ``[B, ...]``, in ``[0, V)``.
+    logprobs: float32 ``[B, ...]``, log-probability of each token under the processed distribution.
+    top_token_ids: int64 ``[B, ..., N]`` (``num_logprobs = N``), the N most likely tokens of the
+        processed distribution, most likely first; ``-1`` where it has fewer than N tokens.
+        ``None`` when ``N == 0``.
+    top_logprobs: float32 ``[B, ..., N]``, their log-probabilities (``-inf`` at ``-1``), or ``None``.
+    """
+
+    tokens: Tensor
+    logprobs: Tensor
+    top_token_ids: Tensor | None
+    top_logprobs: Tensor | None
+
+
+@dataclass(frozen=True)
+class Processed:
+    """The processed distributions of ``R`` rows over a vocabulary of ``V`` tokens.
+
+    ids: int64 ``[R, C]``: each row's candidates in (logit desc, id asc) order, or ``None``
+        when the rows are dense.
+    probs: float32 ``[R, C]`` aligned with ``ids``, or ``[R, V]``: normalised, 0 outside the
+        kept set (a row whose kept set has no mass, e.g. all masked, is all 0).
+    """
+
+    ids: Tensor | None
+    probs: Tensor
+    vocab_size: int
+
+    def dense(self) -> Tensor:
+        """float32 ``[R, V]``."""
+        if self.ids is None:
+            return self.probs
+        out = torch.zeros(self.probs.shape[0], self.vocab_size, dtype=torch.float32, device=self.probs.device)
+        return out.scatter_(1, self.ids, self.probs)
+
+    def sample(self, u: Tensor) -> Tensor:
+        """One token per row by inversion of ``u`` float32 ``[R]``; int64 ``[R]``, always in ``[0, V)``."""
+        if self.ids is None:
+            return sample_by_inversion(self.probs, u)
+        ids, perm = self.ids.sort(dim=-1)
+        return ids.gather(1, sample_by_inversion(self.probs.gather(1, perm), u)[:, None])[:, 0]
+
+    def prob(self, tokens: Tensor) -> Tensor:
+        """Probability of ``tokens`` int64 ``[R]`` (in ``[0, V)``); float32 ``[R]``."""
+        if self.ids is None:
+            return self.probs.gather(1, tokens[:, None])[:, 0]
+        return torch.where(self.ids == tokens[:, None], self.probs, 0.0).sum(-1)
+
+    def top(self, n: int) -> tuple[Tensor, Tensor]:
+        """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
+        if self.ids is None:
+            probs, ids = ordered_prefix(self.probs, n)
+        else:
+            probs, ids = self.probs[:, :n], self.ids[:, :n]
+        if probs.shape[1] < n:  # fewer candidates than asked: pad
+            pad = n - probs.shape[1]
+            probs = torch.nn.functional.pad(probs, (0, pad))
+            ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
+        return torch.where(probs > 0, ids, -1), probs.log()
+
+
+def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
+    """Index of the first column whose cumulative weight exceeds ``u * total``, per row.
+
+    weights: float32 ``[R, C]`` (need not be normalised); u: float32 ``[R]`` in [0, 1).
+    Returns int64 ``[R]`` in ``[0, C)``; never an index of zero weight when the row has mass.
+    """
+    cum = weights.cumsum(-1)
+    total = cum[:, -1:].contiguous()
+    idx = torch.searchsorted(cum, u[:, None] * total, right=True)
+    last = torch.searchsorted(cum, total, right=False)  # the last column that adds mass
+    return torch.minimum(idx, last).clamp_(0, weights.shape[1] - 1)[:, 0]
+
+
+def ordered_prefix(scores: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """The first ``n`` entries of each row in (score desc, id asc) order, exactly (ties included).
+
+    scores: float32 ``[R, V]``. Returns values float32 ``[R, min(n, V)]`` and ids int64.
+    A ``torch.topk``; rows with a tie across the cut are resolved by id with one extra pass.
+    NaN counts as larger than any number (as in ``torch.topk``).
+    """
+    R, V = scores.shape
+    n = min(n, V)
+    if n == V:
+        return torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, ids = torch.topk(scores, n + 1, dim=-1)
+    tie = vals[:, n - 1] == vals[:, n]
+    vals, ids = vals[:, :n], ids[:, :n]
+    if bool(tie.any()):
+        rows = tie.nonzero()[:, 0]
+        s = scores[rows]
+        cut = vals[rows, n - 1 : n]
+        above = (s > cut) | s.isnan()
+        at = s == cut
+        keep = above | (at & (at.cumsum(-1) <= n - above.sum(-1, keepdim=True)))
+        sel = keep.nonzero()[:, 1].view(-1, n)
+        ids, vals = ids.clone(), vals.clone()
+        ids[rows], vals[rows] = sel, s.gather(1, sel)
+    ids, perm = ids.sort(dim=-1)
+    vals, perm2 = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, perm2)
+
+
+def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) -> Processed:
+    """Apply temperature (if ``logits``), top-k, top-p and min-p to each row, renormalised.
+
+    x: float32 ``[R, V]``: masked logits (``-inf`` = masked) or, with ``logits=False``,
+        probabilities (temperature is then ignored). Not modified.
+    rp: per-row parameters ``[R]``.
+    min_candidates: keep at least this many ordered candidates in sparse rows (for top-N).
+    """
+    R, V = x.shape
+    greedy = rp.temperature == 0 if logits else torch.zeros(R, dtype=torch.bool, device=x.device)
+    topk_on = (rp.top_k > 0) & (rp.top_k < V) & ~greedy
+    topp_on = (rp.top_p < 1) & ~greedy
+    sparse = greedy | topk_on | topp_on
+    if R == 0 or bool(sparse.all()):
+        return _process_sparse(x, rp, greedy, topk_on, topp_on, logits, min_candidates)
+    if not bool(sparse.any()):
+        return _process_dense(x, rp, logits)
+    rows_s, rows_d = sparse.nonzero()[:, 0], (~sparse).nonzero()[:, 0]
+    out = torch.empty(R, V, dtype=torch.float32, device=x.device)
+    s = _process_sparse(x[rows_s], rp.take(rows_s), greedy[rows_s], topk_on[rows_s], topp_on[rows_s], logits, 0)
+    out[rows_s] = s.dense()
+    out[rows_d] = _process_dense(x[rows_d], rp.take(rows_d), logits).probs
+    return Processed(None, out, V)
+
+
+def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool) -> Tensor:
+    """Unnormalised probabilities: ``exp((x - top) / T)`` for logits (``top`` the row max), else x."""
+    if not logits:
+        return vals.clone()
+    w = (vals - top).div_(temperature[:, None]).exp_()
+    return w.nan_to_num_(nan=0.0)  # rows with no finite logit have no mass
+
+
+def _normalise(w: Tensor) -> Tensor:
+    total = w.sum(-1, keepdim=True)
+    return torch.where(total > 0, w / total, 0.0)
+
+
+def _process_sparse(x, rp, greedy, topk_on, topp_on, logits, min_candidates) -> Processed:
+    R, V = x.shape
+    temperature = torch.where(greedy, 1.0, rp.temperature)
+    keep_n = torch.where(greedy, 1, torch.where(topk_on, rp.top_k, V))  # candidates a row may keep
+    nucleus = topp_on & ~topk_on & ~greedy  # rows whose candidate count is searched
+    has_nucleus = bool(nucleus.any())
+    bounded = ~nucleus
+    c = max(min_candidates, 1, int(keep_n[bounded].max()) if bool(bounded.any()) else 0)
+    if has_nucleus:
+        c = max(c, _FIRST_NUCLEUS_CANDIDATES)
+    cols = torch.arange(V, device=x.device)
+    z_nucleus = None
+    while True:
+        c = min(c, V)
+        vals, ids = ordered_prefix(x, c)
+        w = torch.where(cols[:c] < keep_n[:, None], _weights(vals, vals[:, :1], temperature, logits), 0.0)
+        cum = w.cumsum(-1)
+        if not has_nucleus:
+            break
+        if z_nucleus is None:  # the mass of the whole row, which the nucleus must reach a part of
+            xn = x if bool(nucleus.all()) else x[nucleus]
+            z_nucleus = _weights(xn, vals[nucleus, :1], temperature[nucleus], logits).sum(-1)
+        if c == V or bool((cum[nucleus, -1] >= rp.top_p[nucleus] * z_nucleus).all()):
+            break
+        c *= _NUCLEUS_GROWTH
+    z = cum[:, -1].clone()
+    if has_nucleus:
+        z[nucleus] = z_nucleus
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass strictly before each candidate
+    keep = ~topp_on[:, None] | (before < rp.top_p[:, None] * z[:, None])
+    keep &= w >= rp.min_p[:, None] * w[:, :1]
+    return Processed(ids, _normalise(torch.where(keep, w, 0.0)), V)
+
+
+def _process_dense(x, rp, logits) -> Processed:
+    top = x.amax(-1, keepdim=True)
+    w = _weights(x, top, rp.temperature, logits)
+    if bool((rp.min_p > 0).any()):
+        w_max = 1.0 if logits else top
+        w = torch.where(w >= rp.min_p[:, None] * w_max, w, 0.0)
+    return Processed(None, _normalise(w), x.shape[1])
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _leading(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
+    """(B, M, V) of a ``[B, ..., V]`` tensor: M rows per request."""
+    check_tensor(op, name, t, kind="float", ndim=(2, 8))
+    B, V = t.shape[0], t.shape[-1]
+    if V == 0:
+        fail(op, name, "a vocabulary dimension V >= 1", f"shape {shape_str(t.shape)}")
+    return B, (t.numel() // (B * V)) if B else 0, V
+
+
+def _logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
+    """Validated, masked float32 rows ``[R, V]`` and their parameters."""
+    B, M, V = _leading(op, "logits", logits)
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        fail(op, "params", "a SamplingParams or None", type(params).__name__)
+    rp = params.rows(op, B, M, logits.device, full)
+    x = logits.reshape(-1, V).float()
+    if vocab_mask is not None:
+        check_tensor(op, "vocab_mask", vocab_mask, kind="bool")
+        try:
+            mask = vocab_mask.to(logits.device).expand(logits.shape)
+        except RuntimeError:
+            fail(op, "vocab_mask", f"a shape broadcastable to logits {shape_str(logits.shape)}",
+                 shape_str(vocab_mask.shape))
+        if full:
+            none_allowed = ~mask.any(-1)
+            check_no_bad(op, "vocab_mask", none_allowed, none_allowed, "at least one allowed token per row")
+        x = x.masked_fill(~mask.reshape(-1, V), float("-inf"))
+    if full:
+        check_logits_values(op, "logits", logits)
+    return x, rp, B, M
+
+
+def logits_to_probs(
+    logits: Tensor,
+    params: SamplingParams | None = None,
+    vocab_mask: Tensor | None = None,
+    *,
+    validate: str = "structure",
+) -> Tensor:
+    """The processed target distribution.
+
+    Args:
+        logits: float32/bf16/fp16 ``[B, ..., V]``.
+        params: per-request :class:`SamplingParams` (scalars or ``[B]``); default: temperature 1.
+        vocab_mask: bool, broadcastable to ``[B, ..., V]``; True = allowed. Applied first.
+        validate: ``"structure"`` or ``"full"``.
+    Returns:
+        float32 ``[B, ..., V]``, each row summing to 1 (greedy rows one-hot at the argmax;
+        a row with no allowed finite logit is all 0).
+    """
+    op = "logits_to_probs"
+    full = check_mode(op, validate)
+    x, rp, _, _ = _logit_rows(op, logits, params, vocab_mask, full)
+    return process(x, rp, logits=True).dense().reshape(logits.shape)
+
+
+def _renorm(op: str, probs: Tensor, params: SamplingParams, validate: str) -> Tensor:
+    full = check_mode(op, validate)
+    B, M, V = _leading(op, "probs", probs)
+    if full:
+        check_probs_values(op, "probs", probs)
+    rp = params.rows(op, B, M, probs.device, full)
+    return process(probs.reshape(-1, V).float(), rp, logits=False).dense().reshape(probs.shape)
+
+
+def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structure") -> Tensor:
+    """Keep the ``top_k`` most likely tokens of each row (ties to the lower id) and renormalise.
+
+    probs: float ``[B, ..., V]`` (need not be normalised); top_k: int or int tensor ``[B]``,
+    ``<= 0`` or ``>= V`` is off. Returns float32 ``[B, ..., V]``.
+    """
+    return _renorm("top_k_renorm", probs, SamplingParams(top_k=top_k), validate)
+
+
+def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "structure") -> Tensor:
+    """Keep the smallest prefix of the (prob desc, id asc) order whose mass reaches ``top_p``.
+
+    probs: float ``[B, ..., V]``; top_p: float in (0, 1] or float tensor ``[B]``.
+    Returns float32 ``[B, ..., V]``, renormalised.
+    """
+    return _renorm("top_p_renorm", probs, SamplingParams(top_p=top_p), validate)
+
+
+def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "structure") -> Tensor:
+    """Keep tokens with probability ``>= min_p * max probability`` of their row, renormalised.
+
+    probs: float ``[B, ..., V]``; min_p: float in [0, 1] or float tensor ``[B]``.
+    Returns float32 ``[B, ..., V]``.
+    """
+    return _renorm("min_p_renorm", probs, SamplingParams(min_p=min_p), validate)
+
+
+def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, validate: str = "structure") -> Tensor:
+    """Draw one token from each distribution (categorical over the last dim).
+
+    probs: float ``[B, ..., V]``, non-negative (need not be normalised).
+    rng: ``None``, a ``torch.Generator`` or :class:`Philox` (row ``(b, j)`` uses request b's
+    stream, index j = flat position inside the request).
+    Returns int64 ``[B, ...]`` in ``[0, V)``.
+    """
+    op = "sample"
+    full = check_mode(op, validate)
+    check_rng(op, rng)
+    B, M, V = _leading(op, "probs", probs)
+    if full:
+        check_probs_values(op, "probs", probs)
+    u = uniform(rng, op, B, M, STREAM_SAMPLE, probs.device).reshape(-1)
+    return sample_by_inversion(probs.reshape(-1, V).float(), u).reshape(probs.shape[:-1])
+
+
+def sample_from_logits(
+    logits: Tensor,
+    params: SamplingParams | None = None,
+    rng: torch.Generator | Philox | None = None,
+    vocab_mask: Tensor | None = None,
+    num_logprobs: int = 0,
+    *,
+    validate: str = "structure",
+) -> SampleOutput:
+    """Process the logits (see :func:`logits_to_probs`) and draw one token per row.
+
+    Draws the same token as ``sample(logits_to_probs(logits, params, vocab_mask), rng)`` for
+    the same random stream (up to float rounding at a cumulative-probability boundary),
+    without building the dense distribution when the kept set is small.
+
+    Args:
+        logits: float32/bf16/fp16 ``[B, ..., V]``.
+        params: :class:`SamplingParams`, scalars or per request ``[B]``; temperature 0 = greedy.
+        rng: ``None``, a ``torch.Generator`` or :class:`Philox`.
+        vocab_mask: bool broadcastable to ``[B, ..., V]``, True = allowed.
+        num_logprobs: N >= 0; also return the N most likely tokens and their log-probabilities.
+    Returns:
+        :class:`SampleOutput`.
+    """
+    op = "sample_from_logits"
+    full = check_mode(op, validate)
+    check_rng(op, rng)
+    if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
+        fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
+    x, rp, B, M = _logit_rows(op, logits, params, vocab_mask, full)
+    proc = process(x, rp, logits=True, min_candidates=num_logprobs)
+    u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
+    tokens = proc.sample(u)
+    lead = logits.shape[:-1]
+    logprobs = proc.prob(tokens).log().reshape(lead)
+    top_ids = top_lp = None
+    if num_logprobs:
+        top_ids, top_lp = proc.top(num_logprobs)
+        top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
+    return SampleOutput(tokens.reshape(lead), logprobs, top_ids, top_lp)

@@ -1,0 +1,126 @@
+"""Input validation shared by every op (DESIGN.md, "Error policy").
+
+Two levels, chosen per call with ``validate=``:
+
+- ``"structure"`` (default): shapes, dtypes, devices, parameter ranges and tree structure.
+  It never synchronises with a device: value checks are made only on CPU tensors and
+  Python scalars, where they cost no sync.
+- ``"full"``: also the values of every tensor (NaN/inf, negative probabilities, token ids
+  in range), at the cost of a pass over the data and a host sync.
+
+A violation raises :class:`ValidationError` (a ``ValueError``) whose message names the op,
+the argument, what was expected, what was found and, for values, the first offending
+request (index into the batch dimension).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+MODES = ("structure", "full")
+
+
+class ValidationError(ValueError):
+    """Bad input to a specsampler op; the message names argument, expected, actual, request."""
+
+
+def fail(op: str, name: str, expected: str, actual: object, request: int | None = None) -> None:
+    """Raise the one error format of the library."""
+    where = f" (request {request})" if request is not None else ""
+    raise ValidationError(f"{op}: {name}: expected {expected}, got {actual}{where}")
+
+
+def check_mode(op: str, validate: str) -> bool:
+    """Check ``validate`` and return True for ``"full"``."""
+    if validate not in MODES:
+        fail(op, "validate", f"one of {MODES}", repr(validate))
+    return validate == "full"
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def check_tensor(op: str, name: str, t: object, *, kind: str, ndim: int | tuple[int, int] | None = None) -> Tensor:
+    """Check that ``t`` is a tensor of dtype kind ``"float"``, ``"int"`` or ``"bool"`` and rank ``ndim``.
+
+    ``ndim`` is an exact rank or an inclusive ``(min, max)`` range.
+    """
+    if not isinstance(t, Tensor):
+        fail(op, name, f"a torch.Tensor ({kind})", type(t).__name__)
+    ok = {
+        "float": t.dtype.is_floating_point,
+        "int": not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool,
+        "bool": t.dtype == torch.bool,
+    }[kind]
+    if not ok:
+        want = {"float": "a floating-point tensor", "int": "an integer tensor", "bool": "a bool tensor"}[kind]
+        fail(op, name, want, t.dtype)
+    if ndim is not None:
+        lo, hi = (ndim, ndim) if isinstance(ndim, int) else ndim
+        if not lo <= t.dim() <= hi:
+            want = f"{lo} dimensions" if lo == hi else f"{lo} to {hi} dimensions"
+            fail(op, name, want, f"shape {shape_str(t.shape)}")
+    return t
+
+
+def check_shape(op: str, name: str, t: Tensor, expected: Sequence[int], dims: str) -> None:
+    """Check ``t.shape == expected``; ``dims`` names the dimensions, e.g. ``"[B, K+1, V]"``."""
+    if tuple(t.shape) != tuple(int(e) for e in expected):
+        fail(op, name, f"shape {dims} = {shape_str(expected)}", shape_str(t.shape))
+
+
+def check_device(op: str, name: str, t: Tensor, device: torch.device) -> None:
+    if t.device != device:
+        fail(op, name, f"a tensor on {device} (the device of the first input)", f"one on {t.device}")
+
+
+def values_checkable(t: Tensor, full: bool) -> bool:
+    """Whether value checks run for ``t``: always in full mode, otherwise only where free (CPU)."""
+    return full or t.device.type == "cpu"
+
+
+def first_request(bad: Tensor) -> int | None:
+    """Index of the first request (dim 0) in which ``bad`` is True anywhere, or None."""
+    if bad.numel() == 0:
+        return None
+    per_request = bad.reshape(bad.shape[0], -1).any(dim=1) if bad.dim() > 1 else bad
+    idx = torch.nonzero(per_request)
+    return int(idx[0, 0]) if idx.numel() else None
+
+
+def check_no_bad(op: str, name: str, bad: Tensor, values: Tensor, expected: str) -> None:
+    """Fail on the first True of ``bad`` (same shape as ``values``), quoting the offending value."""
+    b = first_request(bad)
+    if b is None:
+        return
+    row_bad, row_vals = bad[b].reshape(-1), values[b].reshape(-1)
+    j = int(torch.nonzero(row_bad)[0, 0])
+    pos = "" if values.dim() <= 1 else f" at flat position {j}"
+    fail(op, name, expected, f"{row_vals[j].item()}{pos}", request=b)
+
+
+def check_probs_values(op: str, name: str, probs: Tensor) -> None:
+    """Probabilities: finite, >= 0, and each distribution (last dim) with a positive sum."""
+    p = probs.float()
+    check_no_bad(op, name, ~torch.isfinite(p), p, "finite probabilities")
+    check_no_bad(op, name, p < 0, p, "probabilities >= 0")
+    sums = p.sum(-1)
+    check_no_bad(op, f"{name} (row sum)", ~(sums > 0), sums, "each distribution to have a positive sum")
+
+
+def check_logits_values(op: str, name: str, logits: Tensor) -> None:
+    """Logits: no NaN and no +inf (-inf is a masked token)."""
+    x = logits.float()
+    check_no_bad(op, name, torch.isnan(x) | (x == float("inf")), x, "logits without NaN or +inf")
+
+
+def check_token_values(op: str, name: str, tokens: Tensor, vocab_size: int, allow_pad: bool = False) -> None:
+    """Token ids in [0, V) (or -1 where ``allow_pad``)."""
+    lo = -1 if allow_pad else 0
+    bad = (tokens < lo) | (tokens >= vocab_size)
+    want = f"token ids in [0, {vocab_size})" + (" or -1" if allow_pad else "")
+    check_no_bad(op, name, bad, tokens, want)

@@ -1,0 +1,28 @@
+import os
+
+# Triton kernels run in the interpreter where there is no GPU (must be set before triton is imported).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+import pytest
+
+FULL_MC = os.environ.get("SPECSAMPLER_FULL_MC") == "1"
+
+
+def mc_trials(full: int, reduced: int) -> int:
+    """Monte Carlo size: ``full`` with SPECSAMPLER_FULL_MC=1, else ``reduced`` (CI)."""
+    return full if FULL_MC else reduced
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

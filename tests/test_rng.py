@@ -1,0 +1,142 @@
+import pytest
+import torch
+from conftest import mc_trials
+from scipy import stats
+
+import specsampler as ss
+from specsampler import SamplingParams as SP
+from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, philox4x32, philox_uniform, uniform
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "counter, key, expected",
+    [  # Random123's known-answer vectors for philox4x32-10
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ],
+)
+def test_philox_matches_random123_known_answers(counter, key, expected):
+    t = lambda v: torch.tensor([v], dtype=torch.int64)
+    out = philox4x32(tuple(map(t, counter)), tuple(map(t, key)))
+    assert tuple(int(w) for w in out) == expected
+
+
+def test_uniforms_are_float32_in_the_unit_interval_and_uniform():
+    n = mc_trials(1_000_000, 200_000)
+    u = uniform(ss.Philox(torch.arange(n)), "t", n, 2, STREAM_ACCEPT, CPU)
+    assert u.dtype == torch.float32 and u.shape == (n, 2)
+    assert (u >= 0).all() and (u < 1).all()
+    assert stats.kstest(u[:, 1].numpy(), "uniform").pvalue > 1e-4
+    assert abs(torch.corrcoef(u.T)[0, 1]) < 5 / n**0.5
+
+
+def test_uniform_is_the_documented_counter_layout():
+    seed, offset = torch.tensor([-5, 2**40 + 3]), torch.tensor([7, 2**33 + 1])
+    mask = 0xFFFFFFFF
+    for b in range(2):
+        for index in range(3):
+            s, o = int(seed[b]), int(offset[b])
+            words = philox4x32(
+                tuple(torch.tensor([v]) for v in (index, STREAM_SAMPLE, o & mask, (o >> 32) & mask)),
+                (torch.tensor([s & mask]), torch.tensor([(s >> 32) & mask])),
+            )
+            expected = (int(words[0]) >> 8) * 2.0**-24
+            got = philox_uniform(seed[b : b + 1], offset[b : b + 1], torch.tensor([[index]]), STREAM_SAMPLE)
+            assert got.item() == expected
+
+
+def test_streams_indices_seeds_and_offsets_all_give_new_draws():
+    base = uniform(ss.Philox(3, 0), "t", 1, 4, STREAM_SAMPLE, CPU)
+    others = [
+        uniform(ss.Philox(3, 0), "t", 1, 4, STREAM_ACCEPT, CPU),
+        uniform(ss.Philox(4, 0), "t", 1, 4, STREAM_SAMPLE, CPU),
+        uniform(ss.Philox(3, 1), "t", 1, 4, STREAM_SAMPLE, CPU),
+        uniform(ss.Philox(3, 2**32), "t", 1, 4, STREAM_SAMPLE, CPU),
+    ]
+    assert len(set(base[0].tolist())) == 4
+    for o in others:
+        assert not set(o[0].tolist()) & set(base[0].tolist())
+
+
+def test_advance_returns_a_new_offset_and_leaves_tensors_alone():
+    offset = torch.tensor([1, 2])
+    rng = ss.Philox(torch.tensor([5, 6]), offset)
+    nxt = rng.advance(3)
+    assert torch.equal(nxt.offset, torch.tensor([4, 5])) and torch.equal(offset, torch.tensor([1, 2]))
+
+
+def _mixed_batch(B, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, 3, V, generator=g) * 2
+    params = SP(
+        temperature=torch.rand(B, generator=g) + 0.2,
+        top_k=torch.randint(0, V, (B,), generator=g),
+        top_p=torch.rand(B, generator=g) * 0.6 + 0.4,
+        min_p=torch.rand(B, generator=g) * 0.05,
+    )
+    return logits, params, torch.randint(0, 2**62, (B,), generator=g), torch.randint(0, 100, (B,), generator=g)
+
+
+def _take(params, idx):
+    return SP(*(getattr(params, f)[idx] for f in ("temperature", "top_k", "top_p", "min_p")))
+
+
+def test_a_request_draws_the_same_tokens_whatever_the_batch():
+    B, V = 48, 300
+    logits, params, seed, offset = _mixed_batch(B, V)
+    full = ss.sample_from_logits(logits, params, ss.Philox(seed, offset)).tokens
+    perm = torch.randperm(B, generator=torch.Generator().manual_seed(1))
+    permuted = ss.sample_from_logits(logits[perm], _take(params, perm), ss.Philox(seed[perm], offset[perm])).tokens
+    assert torch.equal(permuted, full[perm])
+    sub = torch.tensor([5, 17, 40])
+    alone = ss.sample_from_logits(logits[sub], _take(params, sub), ss.Philox(seed[sub], offset[sub])).tokens
+    assert torch.equal(alone, full[sub])
+    # neighbours changed completely (values and parameters), the request kept
+    other, other_params, other_seed, other_offset = _mixed_batch(B, V, seed=9)
+    other[7], other_seed[7], other_offset[7] = logits[7], seed[7], offset[7]
+    other_params = SP(*(torch.where(torch.arange(B) == 7, getattr(params, f), getattr(other_params, f))
+                        for f in ("temperature", "top_k", "top_p", "min_p")))
+    neigh = ss.sample_from_logits(other, other_params, ss.Philox(other_seed, other_offset)).tokens
+    assert torch.equal(neigh[7], full[7])
+
+
+def test_sample_is_invariant_to_the_batch_and_moves_with_the_offset():
+    probs = torch.softmax(torch.randn(32, 2, 50), -1)
+    seed = torch.arange(32) * 1000
+    full = ss.sample(probs, ss.Philox(seed, 3))
+    for b in (0, 13, 31):
+        assert torch.equal(ss.sample(probs[b : b + 1], ss.Philox(int(seed[b]), 3)), full[b : b + 1])
+    draws = torch.stack([ss.sample(probs, ss.Philox(seed, o)) for o in range(20)])
+    assert (draws != draws[0]).any(0).float().mean() > 0.5  # new offsets give new draws
+
+
+def test_triton_philox_draws_the_documented_numbers():
+    """The contract the kernels rely on: tl.philox at our counters gives our uniforms."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def draw(seed_ptr, offset_ptr, out_ptr, n: tl.constexpr, stream: tl.constexpr):
+        b = tl.program_id(0)
+        seed = tl.load(seed_ptr + b)
+        offset = tl.load(offset_ptr + b)
+        idx = tl.arange(0, n)
+        c0 = idx.to(tl.uint32)
+        c1 = tl.full((n,), stream, tl.uint32)
+        c2 = tl.full((n,), 0, tl.uint32) + (offset & 0xFFFFFFFF).to(tl.uint32)
+        c3 = tl.full((n,), 0, tl.uint32) + ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        w0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+        u = (w0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+        tl.store(out_ptr + b * n + idx, u)
+
+    seed = torch.tensor([0, 1, -7, 2**40 + 11])
+    offset = torch.tensor([0, 5, 2**33 + 2, 123])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = torch.empty(4, 8, device=device)
+    draw[(4,)](seed.to(device), offset.to(device), out, 8, STREAM_ACCEPT)
+    expected = philox_uniform(seed, offset, torch.arange(8).expand(4, 8), STREAM_ACCEPT)
+    assert torch.equal(out.cpu(), expected)
