@@ -1,9 +1,9 @@
 import pytest
 import torch
-from conftest import mc_trials
 from scipy import stats
 
 import specsampler as ss
+from conftest import mc_trials
 from specsampler import SamplingParams as SP
 from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, philox4x32, philox_uniform, uniform
 

@@ -3,14 +3,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import mc_trials
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from naive import naive_probs
-from stats import assert_counts_match
 
 import specsampler as ss
+from conftest import mc_trials
+from naive import naive_probs
 from specsampler import SamplingParams as SP
+from stats import assert_counts_match
 
 # ----------------------------------------------------------------------------- exact cases
 
@@ -148,7 +148,7 @@ def test_nucleus_larger_than_the_first_candidate_block_is_exact():
     for b in range(3):
         ref, _ = naive_probs(logits[b].double().tolist(), top_p=0.5)
         assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all()
-    assert 500 < (out > 0).sum(-1).min()
+    assert (out > 0).sum(-1).min() > 500
 
 
 # ----------------------------------------------------------------------------- properties
@@ -196,6 +196,41 @@ def test_renorm_filters_match_the_rule_exactly(rows, top_k, top_p, min_p):
             assume(margin > 1e-5)
             assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all()
             torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    V=st.integers(65, 400),
+    spread=st.sampled_from([0, 1, 2, 5]),
+    top_p=st.sampled_from([0.1, 0.5, 0.77, 0.95, 0.999]),
+    min_p=st.sampled_from([0.0, 0.02]),
+    seed=st.integers(0, 2**16),
+)
+def test_large_nuclei_match_the_rule_exactly(V, spread, top_p, min_p, seed):
+    # flat rows with many exact ties: the nucleus exceeds the first candidates and is cut by radix select
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-spread, spread + 1, (3, V), generator=g).float() * 0.05
+    out = ss.logits_to_probs(logits, SP(temperature=1.0, top_p=top_p, min_p=min_p))
+    for b, row in enumerate(logits.double().tolist()):
+        ref, margin = naive_probs(row, 1.0, 0, top_p, min_p)
+        assume(margin > 1e-5)
+        assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all()
+        torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+
+
+def test_nucleus_cut_orders_ties_inside_the_crossing_bin_by_id():
+    from specsampler.sampling import nucleus_cut_
+
+    # equal weights within one bin: the cut must keep the lowest ids
+    w = torch.tensor([[1.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.25]])
+    kept = nucleus_cut_(w.clone(), torch.tensor([0.7]))  # total 2.75; target 1.925: 1, 0.5, then 0.25 x2
+    assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 1, 2, 5]
+    kept = nucleus_cut_(w.clone(), torch.tensor([1.0]))
+    assert torch.equal(kept, w)
+    # weights of one bin that differ in their low bits are ordered by weight first
+    w = torch.tensor([[0.30000001, 0.3, 0.30000004, 0.1]])
+    kept = nucleus_cut_(w.clone(), torch.tensor([0.4]))  # target 0.4: 0.30000004 then 0.30000001
+    assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
 
 
 # ----------------------------------------------------------------------------- sampling

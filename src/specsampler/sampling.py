@@ -35,8 +35,9 @@ from .validation import (
     shape_str,
 )
 
-_FIRST_NUCLEUS_CANDIDATES = 64
-_NUCLEUS_GROWTH = 8
+_NUCLEUS_CANDIDATES = 64  # a nucleus within the first 64 candidates stays sparse
+_KEY_SHIFT = 16  # radix select on bits 30..16 of non-negative float32 weights
+_NUM_KEYS = 1 << 15
 
 
 class SampleOutput(NamedTuple):
@@ -57,41 +58,38 @@ class SampleOutput(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Processed:
-    """The processed distributions of ``R`` rows over a vocabulary of ``V`` tokens.
+class Part:
+    """Some rows of a :class:`Processed`, held one way.
 
-    ids: int64 ``[R, C]``: each row's candidates in (logit desc, id asc) order, or ``None``
-        when the rows are dense.
-    probs: float32 ``[R, C]`` aligned with ``ids``, or ``[R, V]``: normalised, 0 outside the
+    rows: int64 ``[r]``, which of the ``R`` rows these are, or ``None`` for all of them.
+    ids: int64 ``[r, C]``: each row's candidates in (logit desc, id asc) order (a row with
+        fewer than C pads with id 0 at probability 0), or ``None`` when the rows are dense.
+    probs: float32 ``[r, C]`` aligned with ``ids``, or ``[r, V]``: normalised, 0 outside the
         kept set (a row whose kept set has no mass, e.g. all masked, is all 0).
     """
 
+    rows: Tensor | None
     ids: Tensor | None
     probs: Tensor
-    vocab_size: int
 
-    def dense(self) -> Tensor:
-        """float32 ``[R, V]``."""
+    def dense(self, vocab_size: int) -> Tensor:
         if self.ids is None:
             return self.probs
-        out = torch.zeros(self.probs.shape[0], self.vocab_size, dtype=torch.float32, device=self.probs.device)
-        return out.scatter_(1, self.ids, self.probs)
+        out = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
+        return out.scatter_add_(1, self.ids, self.probs)
 
     def sample(self, u: Tensor) -> Tensor:
-        """One token per row by inversion of ``u`` float32 ``[R]``; int64 ``[R]``, always in ``[0, V)``."""
         if self.ids is None:
             return sample_by_inversion(self.probs, u)
         ids, perm = self.ids.sort(dim=-1)
         return ids.gather(1, sample_by_inversion(self.probs.gather(1, perm), u)[:, None])[:, 0]
 
     def prob(self, tokens: Tensor) -> Tensor:
-        """Probability of ``tokens`` int64 ``[R]`` (in ``[0, V)``); float32 ``[R]``."""
         if self.ids is None:
             return self.probs.gather(1, tokens[:, None])[:, 0]
         return torch.where(self.ids == tokens[:, None], self.probs, 0.0).sum(-1)
 
     def top(self, n: int) -> tuple[Tensor, Tensor]:
-        """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
         if self.ids is None:
             probs, ids = ordered_prefix(self.probs, n)
         else:
@@ -101,6 +99,49 @@ class Processed:
             probs = torch.nn.functional.pad(probs, (0, pad))
             ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
         return torch.where(probs > 0, ids, -1), probs.log()
+
+
+@dataclass(frozen=True)
+class Processed:
+    """The processed distributions of ``R`` rows over a vocabulary of ``V`` tokens, in parts.
+
+    Rows whose kept set is bounded keep only their ordered candidates; the others are dense.
+    """
+
+    parts: tuple[Part, ...]
+    num_rows: int
+    vocab_size: int
+
+    def _per_row(self, fn, *row_args: Tensor) -> tuple[Tensor, ...]:
+        """Run ``fn(part, *args of its rows)`` on every part and assemble its outputs ``[R, ...]``."""
+        if len(self.parts) == 1 and self.parts[0].rows is None:
+            out = fn(self.parts[0], *row_args)
+            return out if isinstance(out, tuple) else (out,)
+        outs = None
+        for part in self.parts:
+            res = fn(part, *(a[part.rows] for a in row_args))
+            res = res if isinstance(res, tuple) else (res,)
+            if outs is None:
+                outs = tuple(r.new_empty((self.num_rows, *r.shape[1:])) for r in res)
+            for o, r in zip(outs, res):
+                o[part.rows] = r
+        return outs
+
+    def dense(self) -> Tensor:
+        """float32 ``[R, V]``."""
+        return self._per_row(lambda part: part.dense(self.vocab_size))[0]
+
+    def sample(self, u: Tensor) -> Tensor:
+        """One token per row by inversion of ``u`` float32 ``[R]``; int64 ``[R]``, always in ``[0, V)``."""
+        return self._per_row(Part.sample, u)[0]
+
+    def prob(self, tokens: Tensor) -> Tensor:
+        """Probability of ``tokens`` int64 ``[R]`` (in ``[0, V)``); float32 ``[R]``."""
+        return self._per_row(Part.prob, tokens)[0]
+
+    def top(self, n: int) -> tuple[Tensor, Tensor]:
+        """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
+        return self._per_row(lambda part: part.top(n))
 
 
 def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
@@ -156,74 +197,147 @@ def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) 
     R, V = x.shape
     greedy = rp.temperature == 0 if logits else torch.zeros(R, dtype=torch.bool, device=x.device)
     topk_on = (rp.top_k > 0) & (rp.top_k < V) & ~greedy
-    topp_on = (rp.top_p < 1) & ~greedy
-    sparse = greedy | topk_on | topp_on
-    if R == 0 or bool(sparse.all()):
-        return _process_sparse(x, rp, greedy, topk_on, topp_on, logits, min_candidates)
-    if not bool(sparse.any()):
-        return _process_dense(x, rp, logits)
-    rows_s, rows_d = sparse.nonzero()[:, 0], (~sparse).nonzero()[:, 0]
-    out = torch.empty(R, V, dtype=torch.float32, device=x.device)
-    s = _process_sparse(x[rows_s], rp.take(rows_s), greedy[rows_s], topk_on[rows_s], topp_on[rows_s], logits, 0)
-    out[rows_s] = s.dense()
-    out[rows_d] = _process_dense(x[rows_d], rp.take(rows_d), logits).probs
-    return Processed(None, out, V)
+    bounded = greedy | topk_on  # at most k candidates
+    nucleus = (rp.top_p < 1) & ~bounded  # top-p alone: the nucleus size is found per row
+    plain = ~(bounded | nucleus)  # temperature and min-p only: dense
+    parts = []
+    if R == 0 or bool(plain.any()):
+        rows = _rows_where(plain)
+        parts.append(_plain_part(rows, _take(x, rows), _take_params(rp, rows), logits))
+    if bool(bounded.any()):
+        rows = _rows_where(bounded)
+        parts.append(_bounded_part(rows, _take(x, rows), _take_params(rp, rows), _take(greedy, rows), logits,
+                                   min_candidates))
+    if bool(nucleus.any()):
+        rows = _rows_where(nucleus)
+        parts += _nucleus_parts(rows, _take(x, rows), _take_params(rp, rows), logits, min_candidates)
+    return Processed(tuple(parts), R, V)
+
+
+def _rows_where(mask: Tensor) -> Tensor | None:
+    return None if bool(mask.all()) else mask.nonzero()[:, 0]
+
+
+def _take(t: Tensor, rows: Tensor | None) -> Tensor:
+    return t if rows is None else t[rows]
+
+
+def _take_params(rp: RowParams, rows: Tensor | None) -> RowParams:
+    return rp if rows is None else rp.take(rows)
+
+
+def _within(outer: Tensor | None, inner: Tensor | None) -> Tensor | None:
+    """Rows ``inner`` of the subset ``outer``, as indices into the full batch."""
+    if inner is None:
+        return outer
+    return inner if outer is None else outer[inner]
 
 
 def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool) -> Tensor:
-    """Unnormalised probabilities: ``exp((x - top) / T)`` for logits (``top`` the row max), else x."""
+    """Unnormalised probabilities (a new tensor): ``exp((x - top) / T)`` for logits, else x.
+
+    Non-finite results (rows with no finite logit, NaN) and negative probabilities become 0.
+    """
     if not logits:
-        return vals.clone()
-    w = (vals - top).div_(temperature[:, None]).exp_()
-    return w.nan_to_num_(nan=0.0)  # rows with no finite logit have no mass
+        return vals.nan_to_num(nan=0.0, posinf=0.0).clamp_(min=0.0)
+    return (vals - top).div_(temperature[:, None]).exp_().nan_to_num_(nan=0.0)
 
 
-def _normalise(w: Tensor) -> Tensor:
-    total = w.sum(-1, keepdim=True)
-    return torch.where(total > 0, w / total, 0.0)
+def _normalise_(w: Tensor) -> Tensor:
+    """Divide each row by its sum, in place (rows without mass stay 0)."""
+    return w.div_(w.sum(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny))
 
 
-def _process_sparse(x, rp, greedy, topk_on, topp_on, logits, min_candidates) -> Processed:
-    R, V = x.shape
-    temperature = torch.where(greedy, 1.0, rp.temperature)
-    keep_n = torch.where(greedy, 1, torch.where(topk_on, rp.top_k, V))  # candidates a row may keep
-    nucleus = topp_on & ~topk_on & ~greedy  # rows whose candidate count is searched
-    has_nucleus = bool(nucleus.any())
-    bounded = ~nucleus
-    c = max(min_candidates, 1, int(keep_n[bounded].max()) if bool(bounded.any()) else 0)
-    if has_nucleus:
-        c = max(c, _FIRST_NUCLEUS_CANDIDATES)
-    cols = torch.arange(V, device=x.device)
-    z_nucleus = None
-    while True:
-        c = min(c, V)
-        vals, ids = ordered_prefix(x, c)
-        w = torch.where(cols[:c] < keep_n[:, None], _weights(vals, vals[:, :1], temperature, logits), 0.0)
-        cum = w.cumsum(-1)
-        if not has_nucleus:
-            break
-        if z_nucleus is None:  # the mass of the whole row, which the nucleus must reach a part of
-            xn = x if bool(nucleus.all()) else x[nucleus]
-            z_nucleus = _weights(xn, vals[nucleus, :1], temperature[nucleus], logits).sum(-1)
-        if c == V or bool((cum[nucleus, -1] >= rp.top_p[nucleus] * z_nucleus).all()):
-            break
-        c *= _NUCLEUS_GROWTH
-    z = cum[:, -1].clone()
-    if has_nucleus:
-        z[nucleus] = z_nucleus
+def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
+    """top-p (against the mass ``z``, default the candidates' own) and min-p on ordered candidates.
+
+    w: float32 ``[r, C]`` in (logit desc, id asc) order. Returns the kept weights.
+    """
+    cum = w.cumsum(-1)
+    z = cum[:, -1] if z is None else z
     before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass strictly before each candidate
-    keep = ~topp_on[:, None] | (before < rp.top_p[:, None] * z[:, None])
+    keep = (rp.top_p >= 1)[:, None] | (before < rp.top_p[:, None] * z[:, None])
     keep &= w >= rp.min_p[:, None] * w[:, :1]
-    return Processed(ids, _normalise(torch.where(keep, w, 0.0)), V)
+    return torch.where(keep, w, 0.0)
 
 
-def _process_dense(x, rp, logits) -> Processed:
+def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
+    """Greedy and top-k rows: their k (1 for greedy) ordered candidates."""
+    keep_n = torch.where(greedy, 1, rp.top_k)
+    vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
+    w = _weights(vals, vals[:, :1], torch.where(greedy, 1.0, rp.temperature), logits)
+    w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
+    return Part(rows, ids, _normalise_(_cut_candidates(w, rp)))
+
+
+def _nucleus_parts(rows, x, rp, logits, min_candidates) -> list[Part]:
+    """Top-p rows without top-k: sparse where the nucleus lies among the first candidates,
+    else dense with the nucleus cut by a radix select."""
+    vals, ids = ordered_prefix(x, max(min_candidates, _NUCLEUS_CANDIDATES))
+    top = vals[:, :1]
+    wc = _weights(vals, top, rp.temperature, logits)
+    w = _weights(x, top, rp.temperature, logits)
+    z = w.sum(-1)
+    small = wc.sum(-1) >= rp.top_p * z
+    parts = []
+    if bool(small.any()):
+        sub = _rows_where(small)
+        kept = _cut_candidates(_take(wc, sub), _take_params(rp, sub), _take(z, sub))
+        parts.append(Part(_within(rows, sub), _take(ids, sub), _normalise_(kept)))
+    if not bool(small.all()):
+        sub = _rows_where(~small)
+        big, rp_big = _take(w, sub), _take_params(rp, sub)
+        nucleus_cut_(big, rp_big.top_p)
+        if bool((rp_big.min_p > 0).any()):
+            big.masked_fill_(big < rp_big.min_p[:, None] * big.amax(-1, keepdim=True), 0.0)
+        parts.append(Part(_within(rows, sub), None, _normalise_(big)))
+    return parts
+
+
+def _plain_part(rows, x, rp, logits) -> Part:
+    """Rows with neither top-k nor top-p: dense, with min-p."""
     top = x.amax(-1, keepdim=True)
     w = _weights(x, top, rp.temperature, logits)
     if bool((rp.min_p > 0).any()):
-        w_max = 1.0 if logits else top
-        w = torch.where(w >= rp.min_p[:, None] * w_max, w, 0.0)
-    return Processed(None, _normalise(w), x.shape[1])
+        w.masked_fill_(w < rp.min_p[:, None] * (1.0 if logits else top), 0.0)
+    return Part(rows, None, _normalise_(w))
+
+
+def nucleus_cut_(w: Tensor, top_p: Tensor) -> Tensor:
+    """Zero, in place, the weights outside each row's top-p nucleus.
+
+    The nucleus is the smallest prefix of the (weight desc, id asc) order whose mass reaches
+    ``top_p`` times the row's mass. A radix select instead of a sort: one pass builds each
+    row's histogram of mass over the top 15 bits of the weights' float32 bit patterns
+    (monotone in the weight), which locates the bin where the prefix mass crosses the
+    target; only the tokens of that bin are then ordered.
+
+    w: float32 ``[r, V]``, finite, >= 0, contiguous (modified). top_p: float32 ``[r]``.
+    """
+    r, V = w.shape
+    key = w.view(torch.int32) >> _KEY_SHIFT
+    flat = key + torch.arange(r, dtype=torch.int32, device=w.device)[:, None] * _NUM_KEYS
+    hist = torch.zeros(r * _NUM_KEYS, device=w.device).index_add_(0, flat.view(-1), w.view(-1))
+    suffix = hist.view(r, _NUM_KEYS).flip(-1).cumsum(-1).flip(-1)  # mass of the bins >= k
+    target = top_p * suffix[:, 0]
+    crossing = (suffix >= target[:, None]).sum(-1, dtype=torch.int32) - 1  # where the prefix reaches the target
+    suffix = torch.nn.functional.pad(suffix, (0, 1))  # bin _NUM_KEYS: nothing above the top bin
+    above = suffix.gather(1, crossing.long()[:, None] + 1)[:, 0]  # mass of the bins above the crossing one
+    # the crossing bin's tokens, ordered (weight desc, id asc) within their row
+    b_row, b_col = (key == crossing[:, None]).nonzero(as_tuple=True)
+    b_w, order = w[b_row, b_col].sort(descending=True, stable=True)
+    b_row, b_col = b_row[order], b_col[order]
+    b_row, order = b_row.sort(stable=True)
+    b_col, b_w = b_col[order], b_w[order]
+    counts = torch.bincount(b_row, minlength=r)
+    pos = torch.arange(b_row.numel(), device=w.device) - (counts.cumsum(0) - counts)[b_row]
+    grid = torch.zeros(r, int(counts.max()) if b_row.numel() else 0, device=w.device)
+    grid[b_row, pos] = b_w
+    before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0))[b_row, pos]
+    drop = above[b_row] + before >= target[b_row]
+    w.masked_fill_(key < crossing[:, None], 0.0)
+    w[b_row[drop], b_col[drop]] = 0.0
+    return w
 
 
 # ----------------------------------------------------------------------------- public API
