@@ -4,6 +4,7 @@ The public API is the contract of DESIGN.md; every name below is documented with
 shapes and dtypes.
 """
 
+from .chain import ChainResult, verify_chain, verify_chain_from_logits
 from .params import SamplingParams
 from .rng import Philox
 from .sampling import (
@@ -19,6 +20,7 @@ from .tree import TokenTree
 from .validation import ValidationError
 
 __all__ = [
+    "ChainResult",
     "Philox",
     "SampleOutput",
     "SamplingParams",
@@ -30,5 +32,7 @@ __all__ = [
     "sample_from_logits",
     "top_k_renorm",
     "top_p_renorm",
+    "verify_chain",
+    "verify_chain_from_logits",
 ]
 __version__ = "0.1.0"

@@ -7,7 +7,15 @@ import sys
 
 import torch
 
-from . import Philox, SamplingParams, TokenTree, logits_to_probs, sample_from_logits
+from . import (
+    Philox,
+    SamplingParams,
+    TokenTree,
+    logits_to_probs,
+    sample_from_logits,
+    verify_chain,
+    verify_chain_from_logits,
+)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -32,7 +40,7 @@ def demo(args: argparse.Namespace) -> int:
         print(f"{names[b]:<28}{int((probs[b] > 0).sum()):>12}{int(out.tokens[b]):>8}"
               f"{float(out.logprobs[b]):>10.3f}   {top}")
 
-    print("\nPer-request seeds: request 2 alone, and moved to the front of a reversed batch,")
+    print("\nPer-request seeds: request 2 sampled alone, and inside the same batch reversed,")
     alone = sample_from_logits(logits[2:3], SamplingParams(temperature=1.0, top_p=0.9), rng=Philox(13))
     rev = sample_from_logits(logits.flip(0), params=SamplingParams(
         temperature=params.temperature.flip(0), top_k=params.top_k.flip(0), top_p=params.top_p.flip(0),
@@ -42,6 +50,22 @@ def demo(args: argparse.Namespace) -> int:
     offsets = [int(sample_from_logits(logits[2:3], SamplingParams(top_p=0.9), rng=Philox(13, o)).tokens[0])
                for o in range(6)]
     print(f"Offsets 0..5 of the same seed give: {offsets}")
+
+    print("\nA draft chain of K=4 tokens per request, verified against the target logits (params as above):")
+    K = 4
+    target_logits = logits[:, None, :] + 0.5 * torch.randn(4, K + 1, V)
+    draft_logits = target_logits[:, :K] + 0.8 * torch.randn(4, K, V)
+    draft_probs = torch.softmax(draft_logits, -1)
+    sampled = torch.multinomial(draft_probs.reshape(-1, V), 1, generator=torch.Generator().manual_seed(1)).view(4, K)
+    rng = Philox(torch.tensor([21, 22, 23, 24]))
+    runs = [("token", sampled, draft_probs), ("block", sampled, draft_probs),
+            ("target_only", draft_logits.argmax(-1), None), ("greedy", draft_logits.argmax(-1), None)]
+    print(f"  {'method':<12}{'accepted':<14}{'expected':<26}emitted (request 1 | 2 | 3 | 4)")
+    for method, drafts, q in runs:
+        res = verify_chain_from_logits(target_logits, drafts, params, draft_probs=q, method=method, rng=rng)
+        emitted = " | ".join(" ".join(str(t) for t in row.tolist() if t >= 0) for row in res.tokens)
+        expected = " ".join(f"{float(e):.2f}" for e in res.expected_accepted)
+        print(f"  {method:<12}{str(res.num_accepted.tolist()):<14}{expected:<26}{emitted}")
 
     print("\nA draft tree (parents form) and its other forms:")
     tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1, 1, 2, 3], [-1, 0, 1, 2, -1, -1, -1]]))
@@ -53,6 +77,48 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+CHECK_MODELS = [(4, 3, True, 11), (6, 2, False, 12), (3, 4, True, 13), (5, 4, False, 15)]  # V, K, zeros, seed
+
+
+def check(args: argparse.Namespace) -> int:
+    """Exactness of every chain method: the oracle against the target, the real code against the oracle."""
+    from . import oracle
+    from .exactness import Table, argmax_drafter, chain_inputs, chain_monte_carlo, random_model
+
+    print(f"Chain verification, random context-dependent models, {args.trials} Monte Carlo trials each.")
+    print("oracle err: largest deviation of the exact output (continued by the target) from the target's joint")
+    print("distribution; p: chi-square p-values of the real code's emitted sequences against the oracle and,")
+    print("continued, against the target; accepted: exact expected accepted drafts and the Monte Carlo mean.\n")
+    head = (f"{'method':<12}{'model':<16}{'oracle err':>11}{'p emitted':>11}{'p target':>10}{'accepted':>10}"
+            f"{'MC':>9}{'z':>6}")
+    print(head + "\n" + "-" * len(head))
+    ok, gains = True, []
+    for V, K, zeros, seed in CHECK_MODELS:
+        model = f"V={V} K={K}" + (" zeros" if zeros else "")
+        expected = {}
+        for method in ("token", "block", "target_only"):
+            mc = chain_monte_carlo(method, V, K, args.trials, seed, zeros)
+            good = mc.oracle_error < 1e-12 and min(mc.p_emitted, mc.p_continued) > 1e-4 and mc.impossible == 0
+            good &= mc.z_score() < 5
+            ok &= good
+            expected[method] = mc.exact.expected_accepted
+            print(f"{method:<12}{model:<16}{mc.oracle_error:>11.1e}{mc.p_emitted:>11.3f}{mc.p_continued:>10.3f}"
+                  f"{mc.exact.expected_accepted:>10.4f}{mc.accepted.mean():>9.4f}{mc.z_score():>6.1f}"
+                  + ("" if good else "  FAIL"))
+        gains.append(expected["block"] / expected["token"] - 1)
+        target, draft = random_model(V, seed, zeros), random_model(V, seed + 1000, zeros)
+        p, x, _ = chain_inputs(Table(target, V, K + 1), Table(draft, V, K), K, 1, False, torch.Generator())
+        res = verify_chain(p, x, method="greedy")  # argmax drafts: one verification says all
+        (seq,) = oracle.chain(target, argmax_drafter(draft), K, "greedy", V).sequences
+        good = res.tokens[0, : len(seq)].tolist() == list(seq) == list(oracle.greedy_sequence(target, len(seq)))
+        ok &= good
+        print(f"{'greedy':<12}{model:<16}{'walk':>11}{'':>21}{len(seq) - 1:>10}{int(res.num_accepted[0]):>9}"
+              + ("" if good else "  FAIL"))
+    print("\nblock over token, expected accepted drafts: " + ", ".join(f"{g:+.1%}" for g in gains))
+    print("all exact" if ok else "FAILURES above")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specsampler", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo)
+    p = sub.add_parser("check", help="exactness checks of every verification method (oracle and Monte Carlo)")
+    p.add_argument("--trials", type=int, default=100_000)
+    p.set_defaults(func=check)
     args = parser.parse_args(argv)
     return args.func(args)
 

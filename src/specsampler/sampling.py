@@ -127,6 +127,32 @@ class Processed:
                 o[part.rows] = r
         return outs
 
+    @staticmethod
+    def from_dense(probs: Tensor) -> Processed:
+        """Distributions given as they are: float32 ``[R, V]`` (not copied)."""
+        return Processed((Part(None, None, probs),), probs.shape[0], probs.shape[1])
+
+    def select(self, rows: Tensor) -> Processed:
+        """The distributions of ``rows`` (int64 ``[n]``, any order, repeats allowed), copied."""
+        parts = []
+        if len(self.parts) == 1 and self.parts[0].rows is None:
+            part = self.parts[0]
+            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, part.probs[rows]))
+        else:
+            part_of = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
+            local = torch.empty_like(part_of)
+            for k, part in enumerate(self.parts):
+                part_of[part.rows] = k
+                local[part.rows] = torch.arange(part.rows.numel(), device=rows.device)
+            for k, part in enumerate(self.parts):
+                sel = (part_of[rows] == k).nonzero()[:, 0]
+                if sel.numel():
+                    loc = local[rows[sel]]
+                    parts.append(Part(sel, part.ids[loc] if part.ids is not None else None, part.probs[loc]))
+            if not parts:  # no rows selected
+                parts.append(Part(None, None, self.parts[0].probs.new_zeros(0, self.vocab_size)))
+        return Processed(tuple(parts), rows.numel(), self.vocab_size)
+
     def dense(self) -> Tensor:
         """float32 ``[R, V]``."""
         return self._per_row(lambda part: part.dense(self.vocab_size))[0]
@@ -352,7 +378,7 @@ def _leading(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
     return B, (t.numel() // (B * V)) if B else 0, V
 
 
-def _logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
+def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
     """Validated, masked float32 rows ``[R, V]`` and their parameters."""
     B, M, V = _leading(op, "logits", logits)
     if params is None:
@@ -397,7 +423,7 @@ def logits_to_probs(
     """
     op = "logits_to_probs"
     full = check_mode(op, validate)
-    x, rp, _, _ = _logit_rows(op, logits, params, vocab_mask, full)
+    x, rp, _, _ = logit_rows(op, logits, params, vocab_mask, full)
     return process(x, rp, logits=True).dense().reshape(logits.shape)
 
 
@@ -484,7 +510,7 @@ def sample_from_logits(
     check_rng(op, rng)
     if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
         fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
-    x, rp, B, M = _logit_rows(op, logits, params, vocab_mask, full)
+    x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
     proc = process(x, rp, logits=True, min_candidates=num_logprobs)
     u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
     tokens = proc.sample(u)

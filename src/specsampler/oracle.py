@@ -1,0 +1,180 @@
+"""Exact output distributions of speculative verification, by probability propagation (float64).
+
+For a small vocabulary, every draft the drafter can produce is enumerated with its
+probability, and every way the verifier can treat it is followed with its exact
+probability. The result is the distribution of the emitted sequence (accepted drafts plus
+the one correction or bonus token) and the expected number of accepted drafts. A lossless
+method, with the emitted sequence continued by the target, reproduces the target's joint
+distribution exactly (:func:`extend` and :func:`target_joint`; compare with
+:func:`max_error`).
+
+Models are functions of the prefix (the tokens after the verified context):
+
+- ``target(prefix) -> probabilities [V]``: the target's next-token distribution;
+- for sampled drafts (``token``, ``block``): ``draft(prefix) -> probabilities [V]``, the
+  distribution the drafter samples from;
+- for deterministic drafts (``target_only``, ``greedy``): ``draft(prefix) -> token``.
+
+This module is independent of the vectorized implementations (plain loops over explicit
+cases), so the tests can check one against the other. It is public: users can check their
+own set-ups with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Prefix = tuple[int, ...]
+Dist = Callable[[Prefix], Sequence[float]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Exact output of a verification method.
+
+    sequences: emitted sequence (accepted drafts + one token) -> probability.
+    expected_accepted: expected number of accepted drafts.
+    """
+
+    sequences: dict[Prefix, float]
+    expected_accepted: float
+
+
+def _dist(f: Dist, prefix: Prefix) -> np.ndarray:
+    return np.asarray(f(prefix), dtype=np.float64)
+
+
+def _ratio(num: float, den: float) -> float:
+    """min(1, num/den), with num == 0 -> 0 and den == 0 < num -> 1 (a strict test u*q < p)."""
+    if num <= 0:
+        return 0.0
+    return 1.0 if num >= den else num / den
+
+
+def _normalised_or(r: np.ndarray, fallback: np.ndarray) -> np.ndarray:
+    s = r.sum()
+    return r / s if s > 0 else fallback / fallback.sum()
+
+
+def chain_given_drafts(method: str, drafts: Prefix, p: Sequence[np.ndarray], q: Sequence[np.ndarray] | None):
+    """Verification of one fixed draft chain.
+
+    drafts: x_0..x_{K-1}; p: K+1 target distributions (after x_<i); q: K draft
+    distributions (``token``, ``block``). Returns a list of (emitted sequence, probability,
+    accepted count).
+    """
+    K = len(drafts)
+    out = []
+    if method == "greedy":
+        for i in range(K):
+            y = int(np.argmax(p[i]))
+            if y != drafts[i]:
+                return [(drafts[:i] + (y,), 1.0, i)]
+        return [(drafts + (int(np.argmax(p[K])),), 1.0, K)]
+    if method == "target_only":
+        reach = 1.0
+        for i in range(K):
+            pi = p[i] / p[i].sum()
+            out += [(drafts[:i] + (y,), reach * pi[y], i) for y in range(len(pi)) if y != drafts[i]]
+            reach *= pi[drafts[i]]
+        pk = p[K] / p[K].sum()
+        return out + [(drafts + (y,), reach * pk[y], K) for y in range(len(pk))]
+    if method == "token":
+        reach = 1.0
+        for i in range(K):
+            accept = _ratio(p[i][drafts[i]], q[i][drafts[i]])
+            if accept < 1:
+                r = _normalised_or(np.maximum(p[i] - q[i], 0.0), p[i])
+                out += [(drafts[:i] + (y,), reach * (1 - accept) * r[y], i) for y in range(len(r))]
+            reach *= accept
+        pk = p[K] / p[K].sum()
+        return out + [(drafts + (y,), reach * pk[y], K) for y in range(len(pk))]
+    if method == "block":
+        a = [1.0]
+        for i in range(K):
+            a.append(_ratio(a[i] * p[i][drafts[i]], q[i][drafts[i]]))
+        w = [np.maximum(a[i] * p[i] - q[i], 0.0) for i in range(K)]
+        h = [w[i].sum() / (w[i].sum() + 1 - a[i]) if w[i].sum() > 0 else 0.0 for i in range(K)] + [a[K]]
+        h[0] = 1.0
+        for tau in range(K + 1):
+            p_tau = h[tau] * float(np.prod([1 - h[j] for j in range(tau + 1, K + 1)]))
+            if p_tau <= 0:
+                continue
+            r = p[K] / p[K].sum() if tau == K else _normalised_or(w[tau], p[tau])
+            out += [(drafts[:tau] + (y,), p_tau * r[y], tau) for y in range(len(r))]
+        return out
+    raise ValueError(f"chain_given_drafts: method: expected one of token, block, target_only, greedy, got {method!r}")
+
+
+def chain(target: Dist, draft: Callable, num_drafts: int, method: str, vocab_size: int, prefix: Prefix = ()) -> Outcome:
+    """Exact output of chain verification with ``num_drafts`` drafts.
+
+    Sampled drafts (``token``, ``block``): ``draft(prefix)`` is the distribution each draft is
+    drawn from, autoregressively. Deterministic drafts (``target_only``, ``greedy``):
+    ``draft(prefix)`` is the drafted token.
+    """
+    seqs: dict[Prefix, float] = {}
+    expected = 0.0
+    K, V = num_drafts, vocab_size
+    if method in ("token", "block"):
+        chains = itertools.product(range(V), repeat=K)
+    else:
+        x: Prefix = ()
+        for _ in range(K):
+            x += (int(draft(prefix + x)),)
+        chains = [x]
+    for drafts in chains:
+        weight, q = 1.0, None
+        if method in ("token", "block"):
+            q = [_dist(draft, prefix + drafts[:i]) for i in range(K)]
+            weight = float(np.prod([q[i][drafts[i]] for i in range(K)]))
+            if weight == 0:
+                continue
+        p = [_dist(target, prefix + drafts[:i]) for i in range(K + 1)]
+        for seq, prob, n in chain_given_drafts(method, drafts, p, q):
+            if prob > 0:
+                seqs[seq] = seqs.get(seq, 0.0) + weight * prob
+                expected += weight * prob * n
+    return Outcome(seqs, expected)
+
+
+def extend(sequences: dict[Prefix, float], target: Dist, length: int, prefix: Prefix = ()) -> dict[Prefix, float]:
+    """Continue each sequence with the target's own sampling up to ``length`` tokens."""
+    out: dict[Prefix, float] = {}
+    todo = list(sequences.items())
+    while todo:
+        seq, prob = todo.pop()
+        if len(seq) >= length:
+            out[seq[:length]] = out.get(seq[:length], 0.0) + prob
+            continue
+        p = _dist(target, prefix + seq)
+        p = p / p.sum()
+        todo += [(seq + (y,), prob * p[y]) for y in range(len(p)) if p[y] > 0]
+    return out
+
+
+def target_joint(target: Dist, length: int, prefix: Prefix = ()) -> dict[Prefix, float]:
+    """The target's joint distribution of its next ``length`` tokens."""
+    return extend({(): 1.0}, target, length, prefix)
+
+
+def greedy_sequence(target: Dist, length: int, prefix: Prefix = ()) -> Prefix:
+    """The target's greedy continuation (argmax, ties to the lowest id)."""
+    seq: Prefix = ()
+    for _ in range(length):
+        seq += (int(np.argmax(_dist(target, prefix + seq))),)
+    return seq
+
+
+def max_error(a: dict[Prefix, float], b: dict[Prefix, float]) -> float:
+    """Largest absolute difference of two distributions over sequences."""
+    return max((abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b)), default=0.0)
+
+
+def total_variation(a: dict[Prefix, float], b: dict[Prefix, float]) -> float:
+    """Total variation distance of two distributions over sequences."""
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
