@@ -98,3 +98,58 @@ def test_argmax_drafts_verified_with_the_soft_draft_distribution_are_lossy():
     joint = oracle.target_joint(target, K + 1)
     assert oracle.total_variation(oracle.extend(wrong, target, K + 1), joint) > 1e-3
     assert oracle.total_variation(oracle.extend(right, target, K + 1), joint) < 1e-12
+
+
+# ----------------------------------------------------------------------------- trees
+
+TREE_SHAPES = [[2, 2], [3, 1], [1, 2, 1], [2, 2, 2]]
+LOSSLESS_TREE = {"iid": ("rrs", "traversal", "target_only"), "without_replacement": ("rrs", "traversal", "target_only"),
+                 "top_k": ("target_only",)}
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES, ids=str)
+@pytest.mark.parametrize("drafting", ["iid", "without_replacement", "top_k"])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_tree_oracle_reproduces_the_target_joint_distribution(shape, drafting, zeros):
+    V = 4
+    seed = 100 + 10 * len(shape) + sum(shape)
+    target = random_model(V, seed, zeros)
+    draft = random_model(V, seed + 1, zeros and drafting != "without_replacement")
+    joint = oracle.target_joint(target, len(shape) + 1)
+    for method in LOSSLESS_TREE[drafting]:
+        out = oracle.tree(target, draft, shape, method, V, draft_sampling=drafting)
+        assert abs(sum(out.sequences.values()) - 1) < 1e-12
+        assert oracle.max_error(oracle.extend(out.sequences, target, len(shape) + 1), joint) < 1e-12, method
+
+
+def test_the_oracle_shows_the_known_lossy_tree_rules_lossy():
+    V, shape = 4, [2, 2]
+    target, draft = random_model(V, 61), random_model(V, 62)
+    joint = oracle.target_joint(target, 3)
+
+    def tv(**kw):
+        out = oracle.tree(target, draft, shape, "rrs", V, **kw)
+        return oracle.total_variation(oracle.extend(out.sequences, target, 3), joint)
+
+    assert tv(draft_sampling="top_k") > 0.05  # MLC: deterministic top-k siblings under the iid rule
+    assert tv(draft_sampling="without_replacement", assume="iid") > 1e-3  # the iid rule on w/o drafts
+    assert tv(draft_sampling="without_replacement") < 1e-12
+    assert tv(draft_sampling="iid") < 1e-12
+    out = oracle.tree(target, draft, shape, "target_only", V, draft_sampling="top_k")
+    assert oracle.total_variation(oracle.extend(out.sequences, target, 3), joint) < 1e-12
+
+
+def test_traversal_accepts_at_least_as_much_as_rrs_on_the_test_models():
+    for i, shape in enumerate(TREE_SHAPES):
+        for drafting in ("iid", "without_replacement"):
+            target, draft = random_model(4, 70 + i), random_model(4, 80 + i)
+            rrs = oracle.tree(target, draft, shape, "rrs", 4, draft_sampling=drafting).expected_accepted
+            traversal = oracle.tree(target, draft, shape, "traversal", 4, draft_sampling=drafting).expected_accepted
+            assert traversal >= rrs - 1e-12, (shape, drafting)
+
+
+def test_greedy_tree_oracle_follows_the_argmax():
+    target, draft = random_model(4, 91), random_model(4, 92)
+    out = oracle.tree(target, draft, [2, 2], "greedy", 4, draft_sampling="top_k")
+    (seq,) = out.sequences
+    assert seq == oracle.greedy_sequence(target, len(seq))

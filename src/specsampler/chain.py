@@ -19,9 +19,11 @@ exactly one token, so a request always advances by ``num_accepted + 1`` tokens.
   (or ``y_{K_b}``).
 - ``greedy``: the same with ``y_i = argmax p_i`` (ties to the lowest id).
 
-A draft id outside ``[0, V)`` is never accepted. Randomness (see :mod:`specsampler.rng`):
-``u_i`` and ``eta_i`` are ``STREAM_ACCEPT`` index i; the draw at position i (target-only
-draws, the correction or bonus token) is ``STREAM_SAMPLE`` index i.
+A draft id outside ``[0, V)`` is never accepted. Randomness (see :mod:`specsampler.rng`)
+follows the chain seen as a tree (root = node 0, draft x_i = node i+1): ``u_i`` is
+``STREAM_ACCEPT`` index i+1, ``eta_i`` index i; the draw at position i (target-only draws,
+the correction or bonus token) is ``STREAM_SAMPLE`` index i. So a chain-shaped tree
+verified by ``rrs`` / ``traversal`` draws the same tokens as ``token`` / ``block`` here.
 
 Only the work that is needed: the residual or bonus distribution is built for the one
 position where each request stops (block needs ``S_i`` at every position, by its rule).
@@ -160,7 +162,7 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], expected)
     q_x = c.q.gather(2, c.x[..., None])[..., 0]
     if c.method == "token":
-        u = uniform(rng, op, B, K, STREAM_ACCEPT, dev)
+        u = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)[:, 1:]  # draft i is node i+1 of the chain
         n = _leading_run((u * q_x < p_x) & c.usable)
         stop = target.select(batch * (K + 1) + n).dense()
         if K:

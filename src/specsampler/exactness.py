@@ -18,6 +18,8 @@ from torch import Tensor
 from . import oracle
 from .chain import verify_chain
 from .rng import Philox
+from .tree import TokenTree
+from .treeverify import verify_tree
 
 SAMPLED_DRAFTS = ("token", "block")
 
@@ -126,15 +128,16 @@ class MonteCarlo:
     p_emitted / p_continued: chi-square p-values of the emitted sequences against the oracle
     and of the continued sequences against the target's joint distribution; impossible:
     draws of probability-0 outcomes; accepted: the accepted counts (float64 ``[trials]``);
-    meter: each trial's ``expected_accepted``; exact: the oracle's outcome; oracle_error:
-    the oracle's largest deviation from the target's joint distribution.
+    meter: each trial's ``expected_accepted`` (None where not reported); exact: the
+    oracle's outcome; oracle_error: the oracle's largest deviation from the target's joint
+    distribution (0 for greedy, which is not sampling).
     """
 
     p_emitted: float
     p_continued: float
     impossible: int
     accepted: np.ndarray
-    meter: np.ndarray
+    meter: np.ndarray | None
     exact: oracle.Outcome
     oracle_error: float
 
@@ -174,3 +177,84 @@ def chain_monte_carlo(method: str, V: int, K: int, trials: int, seed: int = 0, z
     error = oracle.max_error(oracle.extend(exact.sequences, target, K + 1), joint)
     return MonteCarlo(p_emitted, p_continued, impossible + impossible2, res.num_accepted.double().numpy(),
                       res.expected_accepted.double().numpy(), exact, error)
+
+
+def shape_parents(shape) -> list[int]:
+    """Parent of each node of the complete tree with ``shape[d]`` children per node at depth d,
+    numbered breadth first (node 0 the root)."""
+    parents, level = [-1], [0]
+    for k in shape:
+        nxt = []
+        for v in level:
+            for _ in range(k):
+                parents.append(v)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+def draft_children(q: Tensor, k: int, draft_sampling: str, generator: torch.Generator) -> Tensor:
+    """k child tokens per row of ``q`` float64 ``[T, V]`` (iid, without replacement, or top-k)."""
+    if draft_sampling == "top_k":  # ties to the lower id: a stable sort
+        return torch.sort(q, dim=1, descending=True, stable=True).indices[:, :k]
+    if draft_sampling == "iid":
+        return torch.multinomial(q, k, replacement=True, generator=generator)
+    out, left = [], q.clone()
+    for _ in range(k):
+        t = torch.multinomial(left, 1, generator=generator)
+        out.append(t)
+        left.scatter_(1, t, 0.0)
+    return torch.cat(out, 1)
+
+
+def tree_inputs(P: Table, Q: Table, shape, trials: int, draft_sampling: str, generator: torch.Generator):
+    """``trials`` random draft trees of a shape: target rows ``[T, N, V]``, tokens ``[T, N]``,
+    draft rows ``[T, N, V]`` (node c: the q its token was drawn from, the parent's) and the tree."""
+    parents = shape_parents(shape)
+    N = len(parents)
+    x = torch.zeros(trials, N, dtype=torch.int64)
+    prefix = {0: torch.zeros(trials, 0, dtype=torch.int64)}
+    p = torch.zeros(trials, N, P.V, dtype=torch.float32)
+    q = torch.zeros(trials, N, P.V, dtype=torch.float32)
+    for v in range(N):
+        p[:, v] = P.at(prefix[v]).float()
+        kids = [c for c in range(N) if parents[c] == v]
+        if kids:
+            qv = Q.at(prefix[v])
+            x[:, kids] = draft_children(qv, len(kids), draft_sampling, generator)
+            for c in kids:
+                q[:, c] = qv.float()
+                prefix[c] = torch.cat([prefix[v], x[:, c : c + 1]], 1)
+    tree = TokenTree.from_parents(torch.tensor([parents] * trials))
+    return p, x, q, tree
+
+
+def tree_monte_carlo(method: str, shape, V: int, trials: int, seed: int = 0, draft_sampling: str = "iid",
+                     zeros: bool = False) -> MonteCarlo:
+    """Run ``verify_tree(method)`` on ``trials`` random draft trees and compare with the oracle.
+
+    ``draft_sampling`` ("iid", "without_replacement", "top_k") is how the children are drafted
+    and what the rrs/traversal verifier is told. ``zeros`` truncates the target's supports, and
+    the draft's unless it drafts without replacement (which needs as many tokens as children).
+    """
+    target = random_model(V, seed, zeros)
+    draft_model = random_model(V, seed + 1000, zeros and draft_sampling != "without_replacement")
+    D = len(shape)
+    P, Q = Table(target, V, D), Table(draft_model, V, D - 1)
+    gen = torch.Generator().manual_seed(seed)
+    p, x, q, tree = tree_inputs(P, Q, shape, trials, draft_sampling, gen)
+    sampled = method in ("rrs", "traversal")
+    res = verify_tree(p, x, tree, q if sampled else None, method=method,
+                      draft_sampling="iid" if draft_sampling == "top_k" else draft_sampling,
+                      rng=Philox(torch.arange(trials) + seed * trials))
+    exact = oracle.tree(target, draft_model, shape, method, V, draft_sampling=draft_sampling)
+    p_emitted, impossible = chi_square(encode(res.tokens, V), encode_dist(exact.sequences, D + 1, V))
+    p_continued, error = 1.0, 0.0
+    if method != "greedy":
+        joint = oracle.target_joint(target, D + 1)
+        full = continue_with(P, res.tokens, gen)
+        p_continued, more = chi_square(encode(full, V), encode_dist(joint, D + 1, V))
+        impossible += more
+        error = oracle.max_error(oracle.extend(exact.sequences, target, D + 1), joint)
+    meter = None if res.expected_accepted is None or method == "greedy" else res.expected_accepted.double().numpy()
+    return MonteCarlo(p_emitted, p_continued, impossible, res.num_accepted.double().numpy(), meter, exact, error)

@@ -178,3 +178,145 @@ def max_error(a: dict[Prefix, float], b: dict[Prefix, float]) -> float:
 def total_variation(a: dict[Prefix, float], b: dict[Prefix, float]) -> float:
     """Total variation distance of two distributions over sequences."""
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+# ----------------------------------------------------------------------------- trees
+
+TREE_METHODS = ("greedy", "target_only", "rrs", "traversal")
+DRAFTING = ("iid", "without_replacement", "top_k")
+
+
+def children_drafts(q: np.ndarray, k: int, draft_sampling: str) -> list[tuple[Prefix, float]]:
+    """The possible child tokens of a node, in sibling order, with their probabilities.
+
+    ``iid``: k independent draws from q; ``without_replacement``: k draws from q without
+    replacement (fewer when q has fewer than k tokens); ``top_k``: the k most likely tokens
+    of q (probability desc, id asc), deterministically.
+    """
+    V = len(q)
+    if draft_sampling == "top_k":
+        return [(tuple(sorted(range(V), key=lambda t: (-q[t], t))[:k]), 1.0)]
+    if draft_sampling == "iid":
+        return [(c, float(np.prod([q[t] for t in c]))) for c in itertools.product(range(V), repeat=k)
+                if all(q[t] > 0 for t in c)]
+    if draft_sampling == "without_replacement":
+        out = []
+
+        def grow(prefix: Prefix, prob: float, left: np.ndarray):
+            if len(prefix) == k or left.sum() <= 0:
+                out.append((prefix, prob))
+                return
+            for t in range(V):
+                if left[t] > 0:
+                    rest = left.copy()
+                    rest[t] = 0.0
+                    grow(prefix + (t,), prob * left[t] / left.sum(), rest)
+
+        grow((), 1.0, q.astype(np.float64))
+        return out
+    raise ValueError(f"oracle: draft_sampling: expected one of {DRAFTING}, got {draft_sampling!r}")
+
+
+def tree(target: Dist, draft: Dist, shape: Sequence[int], method: str, vocab_size: int, *,
+         draft_sampling: str = "iid", assume: str | None = None, prefix: Prefix = ()) -> Outcome:
+    """Exact output of tree verification on a random draft tree of a given shape.
+
+    shape: children per node at each depth, e.g. ``[2, 2]``: the root has 2 children and each
+        of them 2 children. Every child list is drafted from ``draft(prefix of its parent)``
+        with ``draft_sampling``; subtrees are drafted independently given their tokens.
+    method: ``"greedy"``, ``"target_only"``, ``"rrs"`` or ``"traversal"`` (DESIGN.md).
+    assume: the draft sampling the rrs/traversal verifier is told (``"iid"`` or
+        ``"without_replacement"``); default: the true one (``"iid"`` for ``top_k``). A wrong
+        assumption (the iid rule on top-k or without-replacement drafts) is lossy, and this
+        function measures it.
+    """
+    if method not in TREE_METHODS:
+        raise ValueError(f"oracle.tree: method: expected one of {TREE_METHODS}, got {method!r}")
+    rule = assume or ("iid" if draft_sampling == "top_k" else draft_sampling)
+    shape = tuple(shape)
+    memo: dict = {}
+
+    def emit(dist: np.ndarray, weight: float, head: Prefix, out: dict):
+        for y in range(len(dist)):
+            if dist[y] > 0 and weight > 0:
+                out[head + (y,)] = out.get(head + (y,), 0.0) + weight * dist[y]
+
+    def add(out: dict, sub: dict, weight: float, head: Prefix):
+        for seq, pr in sub.items():
+            if weight * pr > 0:
+                out[head + seq] = out.get(head + seq, 0.0) + weight * pr
+
+    def subtree(s: Prefix, depth: int) -> dict:
+        """Outcomes (emitted suffixes) of the walk from a node at ``s`` (greedy, target_only, rrs)."""
+        key = (s, depth)
+        if key in memo:
+            return memo[key]
+        p = _dist(target, prefix + s)
+        p = p / p.sum()
+        out: dict = {}
+        if depth == len(shape):
+            if method == "greedy":
+                emit(np.eye(len(p))[int(np.argmax(p))], 1.0, (), out)
+            else:
+                emit(p, 1.0, (), out)
+            memo[key] = out
+            return out
+        q = _dist(draft, prefix + s)
+        for kids, weight in children_drafts(q, shape[depth], draft_sampling):
+            if method in ("greedy", "target_only"):
+                draws = np.eye(len(p))[int(np.argmax(p))] if method == "greedy" else p
+                for y in range(len(p)):
+                    if draws[y] > 0:
+                        if y in kids:
+                            add(out, subtree(s + (y,), depth + 1), weight * draws[y], (y,))
+                        else:
+                            emit(np.eye(len(p))[y], weight * draws[y], (), out)
+                continue
+            r, q_cur, reach = p.copy(), q.copy(), 1.0
+            for t in kids:
+                accept = _ratio(r[t], q_cur[t])
+                add(out, subtree(s + (t,), depth + 1), weight * reach * accept, (t,))
+                reach *= 1 - accept
+                residual = np.maximum(r - q_cur, 0.0)
+                if residual.sum() > 0:
+                    r = residual / residual.sum()
+                if rule == "without_replacement":
+                    q_cur = q_cur.copy()
+                    q_cur[t] = 0.0
+                    if q_cur.sum() > 0:
+                        q_cur /= q_cur.sum()
+            emit(r, weight * reach, (), out)
+        memo[key] = out
+        return out
+
+    def traverse(s: Prefix, depth: int, a: float) -> tuple[dict, float]:
+        """Traversal verification in the subtree at ``s`` entered with weight ``a``: the
+        outcomes where a node of the subtree is accepted, and their total probability."""
+        p = _dist(target, prefix + s)
+        p = p / p.sum()
+        out: dict = {}
+        kid_lists = [((), 1.0)] if depth == len(shape) else children_drafts(
+            _dist(draft, prefix + s), shape[depth], draft_sampling)
+        q = None if depth == len(shape) else _dist(draft, prefix + s)
+        for kids, weight in kid_lists:
+            mb, ms, a_u, reach = p.copy(), None if q is None else q.copy(), a, 1.0
+            for t in kids:
+                a_c = _ratio(a_u * mb[t], ms[t])
+                sub, accepted = traverse(s + (t,), depth + 1, a_c)
+                add(out, sub, weight * reach, (t,))
+                reach *= 1 - accepted
+                w = np.maximum(a_u * mb - ms, 0.0)
+                mass = w.sum()
+                if mass > 0:
+                    mb = w / mass
+                a_u = mass / (mass + 1 - a_u) if mass > 0 else 0.0
+                if rule == "without_replacement":
+                    ms = ms.copy()
+                    ms[t] = 0.0
+                    if ms.sum() > 0:
+                        ms /= ms.sum()
+            emit(mb, weight * reach * (1.0 if depth == 0 else a_u), (), out)
+        return out, sum(out.values())
+
+    seqs = traverse((), 0, 1.0)[0] if method == "traversal" else subtree((), 0)
+    return Outcome(seqs, sum(pr * (len(seq) - 1) for seq, pr in seqs.items()))

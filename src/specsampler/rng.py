@@ -25,10 +25,14 @@ sample, sample_from_logits      ``STREAM_SAMPLE``   flat position of the row ins
                                                     (0 for ``[B, V]`` inputs; ``i`` for
                                                     ``[B, K+1, V]``)
 chain: target draw / correction ``STREAM_SAMPLE``   position ``i`` it is drawn at
-chain token u_i, block eta_i    ``STREAM_ACCEPT``   position ``i``
+chain token u_i (draft x_i)     ``STREAM_ACCEPT``   ``i + 1`` (x_i is node i+1 of the chain as a tree)
+chain block eta_i               ``STREAM_ACCEPT``   ``i``
 tree: draw / correction at v    ``STREAM_SAMPLE``   node ``v``
 tree rrs u_c, traversal a(l)    ``STREAM_ACCEPT``   node ``c`` (child tested) / ``l`` (leaf)
 ==============================  ==================  =========================================
+
+A chain is the tree whose node i+1 holds draft x_i, so a chain-shaped tree draws the
+same numbers in tree verification (rrs, traversal) as in chain verification (token, block).
 
 Categorical draws use one uniform by inversion: the token is the first id ``j`` (in id
 order) whose cumulative probability exceeds ``u * total``.

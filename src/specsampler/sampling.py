@@ -378,15 +378,19 @@ def _leading(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
     return B, (t.numel() // (B * V)) if B else 0, V
 
 
-def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
-    """Validated, masked float32 rows ``[R, V]`` and their parameters."""
+def logit_inputs(op, logits, params, vocab_mask, full) -> tuple[RowParams, Tensor | None, int, int]:
+    """Validate the inputs of an op on logits ``[B, ..., V]``.
+
+    Returns the parameters of each of the ``R = B * M`` rows, the vocab mask broadcast to the
+    logits' shape (a view, or None), B and M. Reads no logits unless ``full``.
+    """
     B, M, V = _leading(op, "logits", logits)
     if params is None:
         params = SamplingParams()
     elif not isinstance(params, SamplingParams):
         fail(op, "params", "a SamplingParams or None", type(params).__name__)
     rp = params.rows(op, B, M, logits.device, full)
-    x = logits.reshape(-1, V).float()
+    mask = None
     if vocab_mask is not None:
         check_tensor(op, "vocab_mask", vocab_mask, kind="bool")
         try:
@@ -397,9 +401,18 @@ def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams,
         if full:
             none_allowed = ~mask.any(-1)
             check_no_bad(op, "vocab_mask", none_allowed, none_allowed, "at least one allowed token per row")
-        x = x.masked_fill(~mask.reshape(-1, V), float("-inf"))
     if full:
         check_logits_values(op, "logits", logits)
+    return rp, mask, B, M
+
+
+def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
+    """Validated, masked float32 rows ``[R, V]`` and their parameters, B and M."""
+    rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full)
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V).float()
+    if mask is not None:
+        x = x.masked_fill(~mask.reshape(-1, V), float("-inf"))
     return x, rp, B, M
 
 

@@ -72,6 +72,21 @@ def _links_from_parents(parents: Tensor) -> tuple[Tensor, Tensor]:
     return first_child[:, :N].contiguous(), next_sibling
 
 
+def _sibling_rank(first_child: Tensor, next_sibling: Tensor) -> Tensor:
+    """Position of each node among its siblings, in the order they are tried ``[B, N]``
+    (root 0, absent -1)."""
+    B, N = first_child.shape
+    rank = torch.full((B, N), -1, dtype=torch.int64)
+    rank[:, 0] = 0
+    cur, k = first_child.clone(), 0  # the k-th child of every node
+    while bool((cur >= 0).any()):
+        b, owner = (cur >= 0).nonzero(as_tuple=True)
+        rank[b, cur[b, owner]] = k
+        cur = torch.where(cur >= 0, next_sibling.gather(1, cur.clamp(min=0)), -1)
+        k += 1
+    return rank
+
+
 class TokenTree:
     """A batch of draft token trees (request-local indices, ``-1`` = none).
 
@@ -81,17 +96,22 @@ class TokenTree:
     - ``parents``: parent of each node; ``-1`` for the root (node 0) and for absent nodes.
     - ``first_child``, ``next_sibling``: the child lists, in the order siblings are tried.
     - ``depth``: root 0, its children 1, ...; ``-1`` for absent nodes.
+    - ``sibling_rank``: position among the siblings in the order they are tried (root 0, absent -1).
     - ``num_nodes``: int64 ``[B]``, present nodes per request (root included).
     - ``max_depth``: int, the largest depth in the batch (``D``; paths have ``D + 1`` entries).
+    - ``max_children``: int, the largest number of children of a node in the batch.
     """
 
     def __init__(self, parents: Tensor, first_child: Tensor, next_sibling: Tensor, depth: Tensor, device):
+        rank = _sibling_rank(first_child, next_sibling)
         self.parents = parents.to(device)
         self.first_child = first_child.to(device)
         self.next_sibling = next_sibling.to(device)
         self.depth = depth.to(device)
+        self.sibling_rank = rank.to(device)
         self.num_nodes = (depth >= 0).sum(1).to(device)
         self.max_depth = int(depth.max())
+        self.max_children = int(rank.max()) + 1 if rank.numel() else 0
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,122 @@
+"""LongSpec's tree-verification entry points (seed 003), the greedy one as documented and
+the stochastic one made lossless.
+
+LongSpec's conventions: ``input_ids[b, i]`` is the token of tree node i (node 0 the root,
+the last committed token); ``tree_mask[b, i, j]`` is nonzero when node j is node i or one of
+its ancestors; ``output_ids[b, i]`` is the target's argmax after node i; in
+:func:`verify_stochastic`, row i of ``p_llm`` / ``p_ssm`` holds the target / draft logits
+*after* node i, i.e. for node i's children.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .kv import Cache, compact_kv
+from .params import SamplingParams
+from .rng import Philox, check_rng
+from .tree import TokenTree
+from .treeverify import verify_tree_from_logits
+from .validation import check_shape, check_tensor, fail
+
+
+def _tree(op: str, tree_mask: Tensor) -> TokenTree:
+    check_tensor(op, "tree_mask", tree_mask, kind="float" if tree_mask.dtype.is_floating_point else
+                 ("bool" if tree_mask.dtype == torch.bool else "int"), ndim=3)
+    return TokenTree.from_mask(tree_mask != 0)
+
+
+def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, cache_lens: Tensor,
+                      non_leaf_len: int | Tensor, *, kv_cache: Cache | None = None,
+                      seq_dim: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy tree verification with LongSpec's semantics.
+
+    A node is verified when the target's output at its parent equals its token; the walk
+    ends at the verified node of largest index whose ancestors are all verified (with
+    duplicate sibling tokens this is the later sibling, unlike :func:`verify_tree`'s first).
+
+    Args:
+        input_ids: integer ``[B, N]``: node tokens. output_ids: integer ``[B, N]``: target
+            argmax after each node. tree_mask: ``[B, N, N]`` (any dtype, nonzero = ancestor or
+            self). cache_lens: integer ``[B]``. non_leaf_len: int, the number of non-leaf nodes
+            (they come first).
+        kv_cache: optional cache to compact onto the accepted path (see :func:`compact_kv`;
+            LongSpec's caches are ``[B, S, H, D]``, hence ``seq_dim=1``).
+    Returns:
+        ``acc_ids`` int64 ``[B, D+1]``: the target's outputs along the accepted path (the
+        accepted drafts then the bonus token), ``-1`` after; ``acc_num`` int64 ``[B]``: nodes
+        on the path, the root counted; ``double_input`` int32 ``[B]``: 1 where the last
+        accepted node index is ``>= non_leaf_len``.
+    """
+    op = "longspec.tree_verification"
+    tree = _tree(op, tree_mask)
+    B, N = tree.batch_size, tree.size
+    for name, t in (("input_ids", input_ids), ("output_ids", output_ids)):
+        check_tensor(op, name, t, kind="int", ndim=2)
+        check_shape(op, name, t, (B, N), "[B, N] (as tree_mask)")
+    check_tensor(op, "cache_lens", cache_lens, kind="int", ndim=1)
+    check_shape(op, "cache_lens", cache_lens, (B,), "[B]")
+    if not isinstance(non_leaf_len, (int, Tensor)) or isinstance(non_leaf_len, bool):
+        fail(op, "non_leaf_len", "an int or an integer tensor", type(non_leaf_len).__name__)
+    mask = tree.mask()
+    out = output_ids.long()
+    ok = out.gather(1, tree.parents.clamp(min=0)) == input_ids.long()
+    ok[:, 0] = True
+    verified = ~(mask & ~ok[:, None, :]).any(2) & (tree.depth >= 0)
+    last = torch.where(verified, torch.arange(N, device=out.device), -1).amax(1)
+    on_path = mask[torch.arange(B, device=out.device), last]
+    acc_num = on_path.sum(1)
+    order = torch.where(on_path, torch.arange(N, device=out.device), N).sort(1).values[:, : tree.max_depth + 1]
+    acc_ids = torch.where(order < N, out.gather(1, order.clamp(max=N - 1)), -1)
+    if kv_cache is not None:
+        compact_kv(kv_cache, cache_lens, torch.where(order < N, order, -1), acc_num - 1, seq_dim=seq_dim)
+    return acc_ids, acc_num, (last >= non_leaf_len).int()
+
+
+def verify_stochastic(input_ids: Tensor, tree_mask: Tensor, p_llm: Tensor, p_ssm: Tensor, temperature: float, *,
+                      draft_sampling: str = "deterministic", rng: torch.Generator | Philox | None = None,
+                      validate: str = "structure") -> tuple[Tensor, Tensor]:
+    """LongSpec's stochastic tree verification, made lossless.
+
+    LongSpec's original indexes the target's vocabulary by node index, tries children in a
+    random order against the parent's draft row and renormalises without regard to how the
+    children were drafted. Here the tokens are the nodes' token ids and the rule matches the
+    drafting: ``"deterministic"`` children (top-k / beam) are verified target-only;
+    ``"iid"`` and ``"without_replacement"`` children by recursive rejection sampling with the
+    draft distribution ``softmax(p_ssm[parent] / T)`` they were drawn from. Only the target
+    rows on the walk are processed; an empty residual never crashes; ``rng`` makes it
+    reproducible per request.
+
+    Args:
+        input_ids: integer ``[B, N]``: node tokens (node 0 the root). tree_mask: ``[B, N, N]``.
+        p_llm, p_ssm: float ``[B, N, V]``: target and draft logits after each node.
+        temperature: float > 0.
+    Returns:
+        ``acc_ids`` int64 ``[B, D+2]``: the root's token, the accepted drafts and the new
+        token, ``-1`` after; ``acc_num`` int64 ``[B]``: their number (the root counted).
+    """
+    op = "longspec.verify_stochastic"
+    check_rng(op, rng)
+    tree = _tree(op, tree_mask)
+    B, N = tree.batch_size, tree.size
+    check_tensor(op, "input_ids", input_ids, kind="int", ndim=2)
+    check_shape(op, "input_ids", input_ids, (B, N), "[B, N] (as tree_mask)")
+    for name, t in (("p_llm", p_llm), ("p_ssm", p_ssm)):
+        check_tensor(op, name, t, kind="float", ndim=3)
+        check_shape(op, name, t, (B, N, p_llm.shape[-1]), "[B, N, V]")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        fail(op, "temperature", "a number > 0 (greedy verification is tree_verification)", repr(temperature))
+    if draft_sampling not in ("deterministic", "iid", "without_replacement"):
+        fail(op, "draft_sampling", "one of ('deterministic', 'iid', 'without_replacement')", repr(draft_sampling))
+    params = SamplingParams(temperature=float(temperature))
+    if draft_sampling == "deterministic":
+        res = verify_tree_from_logits(p_llm, input_ids, tree, params, method="target_only", rng=rng,
+                                      validate=validate)
+    else:
+        parent_rows = p_ssm[torch.arange(B, device=p_ssm.device)[:, None], tree.parents.clamp(min=0)]
+        q = torch.softmax(parent_rows.float() / temperature, -1)
+        res = verify_tree_from_logits(p_llm, input_ids, tree, params, draft_probs=q, method="rrs",
+                                      draft_sampling=draft_sampling, rng=rng, validate=validate)
+    acc_ids = torch.cat([input_ids[:, :1].long(), res.tokens], 1)
+    return acc_ids, res.num_accepted + 2
