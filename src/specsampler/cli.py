@@ -78,33 +78,36 @@ def demo(args: argparse.Namespace) -> int:
 
 
 CHECK_MODELS = [(4, 3, True, 11), (6, 2, False, 12), (3, 4, True, 13), (5, 4, False, 15)]  # V, K, zeros, seed
+CHECK_TREES = [([2, 2], 4, True, 21), ([3, 1], 4, False, 22), ([1, 2, 1], 4, True, 23), ([2, 2, 2], 3, False, 24)]
+TREE_RULES = [("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
+              ("traversal", "without_replacement"), ("target_only", "top_k")]
+HEAD = (f"{'method':<34}{'model':<20}{'oracle err':>11}{'p emitted':>11}{'p target':>10}{'accepted':>10}"
+        f"{'MC':>9}{'z':>6}")
 
 
-def check(args: argparse.Namespace) -> int:
-    """Exactness of every chain method: the oracle against the target, the real code against the oracle."""
+def _check_row(name: str, model: str, mc) -> bool:
+    """Print one Monte Carlo run; True when it agrees with the oracle and the oracle with the target."""
+    good = mc.oracle_error < 1e-12 and min(mc.p_emitted, mc.p_continued) > 1e-4 and mc.impossible == 0
+    good &= mc.z_score() < 5
+    print(f"{name:<34}{model:<20}{mc.oracle_error:>11.1e}{mc.p_emitted:>11.3f}{mc.p_continued:>10.3f}"
+          f"{mc.exact.expected_accepted:>10.4f}{mc.accepted.mean():>9.4f}{mc.z_score():>6.1f}"
+          + ("" if good else "  FAIL"))
+    return good
+
+
+def _check_chains(trials: int) -> bool:
     from . import oracle
     from .exactness import Table, argmax_drafter, chain_inputs, chain_monte_carlo, random_model
 
-    print(f"Chain verification, random context-dependent models, {args.trials} Monte Carlo trials each.")
-    print("oracle err: largest deviation of the exact output (continued by the target) from the target's joint")
-    print("distribution; p: chi-square p-values of the real code's emitted sequences against the oracle and,")
-    print("continued, against the target; accepted: exact expected accepted drafts and the Monte Carlo mean.\n")
-    head = (f"{'method':<12}{'model':<16}{'oracle err':>11}{'p emitted':>11}{'p target':>10}{'accepted':>10}"
-            f"{'MC':>9}{'z':>6}")
-    print(head + "\n" + "-" * len(head))
+    print(f"Chain verification ({trials} trials per row)\n{HEAD}\n" + "-" * len(HEAD))
     ok, gains = True, []
     for V, K, zeros, seed in CHECK_MODELS:
         model = f"V={V} K={K}" + (" zeros" if zeros else "")
         expected = {}
         for method in ("token", "block", "target_only"):
-            mc = chain_monte_carlo(method, V, K, args.trials, seed, zeros)
-            good = mc.oracle_error < 1e-12 and min(mc.p_emitted, mc.p_continued) > 1e-4 and mc.impossible == 0
-            good &= mc.z_score() < 5
-            ok &= good
+            mc = chain_monte_carlo(method, V, K, trials, seed, zeros)
+            ok &= _check_row(method, model, mc)
             expected[method] = mc.exact.expected_accepted
-            print(f"{method:<12}{model:<16}{mc.oracle_error:>11.1e}{mc.p_emitted:>11.3f}{mc.p_continued:>10.3f}"
-                  f"{mc.exact.expected_accepted:>10.4f}{mc.accepted.mean():>9.4f}{mc.z_score():>6.1f}"
-                  + ("" if good else "  FAIL"))
         gains.append(expected["block"] / expected["token"] - 1)
         target, draft = random_model(V, seed, zeros), random_model(V, seed + 1000, zeros)
         p, x, _ = chain_inputs(Table(target, V, K + 1), Table(draft, V, K), K, 1, False, torch.Generator())
@@ -112,9 +115,38 @@ def check(args: argparse.Namespace) -> int:
         (seq,) = oracle.chain(target, argmax_drafter(draft), K, "greedy", V).sequences
         good = res.tokens[0, : len(seq)].tolist() == list(seq) == list(oracle.greedy_sequence(target, len(seq)))
         ok &= good
-        print(f"{'greedy':<12}{model:<16}{'walk':>11}{'':>21}{len(seq) - 1:>10}{int(res.num_accepted[0]):>9}"
+        print(f"{'greedy':<34}{model:<20}{'walk':>11}{'':>21}{len(seq) - 1:>10}{int(res.num_accepted[0]):>9}"
               + ("" if good else "  FAIL"))
-    print("\nblock over token, expected accepted drafts: " + ", ".join(f"{g:+.1%}" for g in gains))
+    print("block over token, expected accepted drafts: " + ", ".join(f"{g:+.1%}" for g in gains) + "\n")
+    return ok
+
+
+def _check_trees(trials: int) -> bool:
+    from .exactness import tree_monte_carlo
+
+    print(f"Tree verification ({trials} trials per row; drafting: iid, without replacement, top-k)")
+    print(f"{HEAD}\n" + "-" * len(HEAD))
+    ok = True
+    for shape, V, zeros, seed in CHECK_TREES:
+        model = f"{shape} V={V}" + (" zeros" if zeros else "")
+        for method, drafting in TREE_RULES:
+            mc = tree_monte_carlo(method, shape, V, trials, seed, drafting, zeros)
+            ok &= _check_row(f"{method} / {drafting}", model, mc)
+    print()
+    return ok
+
+
+def check(args: argparse.Namespace) -> int:
+    """Exactness of every verification method: the oracle against the target, the real code against the oracle."""
+    print("oracle err: largest deviation of the exact output (continued by the target) from the target's joint")
+    print("distribution; p: chi-square p-values of the real code's emitted sequences against the oracle and,")
+    print("continued, against the target; accepted: exact expected accepted drafts, and the Monte Carlo mean")
+    print("with its distance z in standard errors. Random context-dependent models on small vocabularies.\n")
+    ok = True
+    if args.only in (None, "chain"):
+        ok &= _check_chains(args.trials)
+    if args.only in (None, "tree"):
+        ok &= _check_trees(args.trials)
     print("all exact" if ok else "FAILURES above")
     return 0 if ok else 1
 
@@ -128,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=demo)
     p = sub.add_parser("check", help="exactness checks of every verification method (oracle and Monte Carlo)")
     p.add_argument("--trials", type=int, default=100_000)
+    p.add_argument("--only", choices=["chain", "tree"], help="check one family only")
     p.set_defaults(func=check)
     args = parser.parse_args(argv)
     return args.func(args)
