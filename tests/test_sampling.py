@@ -218,18 +218,42 @@ def test_large_nuclei_match_the_rule_exactly(V, spread, top_p, min_p, seed):
         torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
 
 
-def test_nucleus_cut_orders_ties_inside_the_crossing_bin_by_id():
-    from specsampler.sampling import nucleus_cut_
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    L=st.sampled_from([4, 8, 32]),
+    chunks=st.integers(14, 40),
+    spread=st.sampled_from([1, 3, 1000]),
+    seed=st.integers(0, 2**16),
+)
+def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chunks, spread, seed):
+    from specsampler.processing import _ordered_prefix_by_chunks
 
-    # equal weights within one bin: the cut must keep the lowest ids
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-spread, spread + 1, (5, chunks * L), generator=g).float()
+    scores[0, : L * 3] = -float("inf")  # masked tokens
+    scores[1] = 0.0  # one big tie: the chunk search cannot decide, the fallback must
+    vals, ids = _ordered_prefix_by_chunks(scores, n, L)
+    for b in range(5):
+        expected = sorted(range(scores.shape[1]), key=lambda i: (-float(scores[b, i]), i))[:n]
+        assert ids[b].tolist() == expected
+        assert vals[b].tolist() == scores[b, expected].tolist()
+
+
+def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
+    from specsampler.processing import cut_to_mass_
+
+    # equal weights within one bin: the cut must keep the lowest positions
     w = torch.tensor([[1.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.25]])
-    kept = nucleus_cut_(w.clone(), torch.tensor([0.7]))  # total 2.75; target 1.925: 1, 0.5, then 0.25 x2
+    kept = cut_to_mass_(w.clone(), torch.tensor([1.925]))  # 1, 0.5, then 0.25 x2
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 1, 2, 5]
-    kept = nucleus_cut_(w.clone(), torch.tensor([1.0]))
+    kept = cut_to_mass_(w.clone(), torch.tensor([2.75]))
+    assert torch.equal(kept, w)
+    kept = cut_to_mass_(w.clone(), torch.tensor([3.0]))  # never reached: everything kept
     assert torch.equal(kept, w)
     # weights of one bin that differ in their low bits are ordered by weight first
     w = torch.tensor([[0.30000001, 0.3, 0.30000004, 0.1]])
-    kept = nucleus_cut_(w.clone(), torch.tensor([0.4]))  # target 0.4: 0.30000004 then 0.30000001
+    kept = cut_to_mass_(w.clone(), torch.tensor([0.4]))  # 0.30000004 then 0.30000001
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
 
 

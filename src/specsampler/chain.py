@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 
 from .params import SamplingParams
+from .processing import Processed, process, sample_by_inversion
 from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, uniform
-from .sampling import Processed, logit_rows, process, sample_by_inversion
+from .sampling import logit_rows
 from .validation import (
     check_device,
     check_logits_values,

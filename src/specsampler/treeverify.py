@@ -40,8 +40,9 @@ import torch
 from torch import Tensor
 
 from .params import RowParams, SamplingParams
+from .processing import Processed, process, sample_by_inversion
 from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, uniform
-from .sampling import Processed, logit_inputs, process, sample_by_inversion
+from .sampling import logit_inputs
 from .tree import TokenTree
 from .validation import (
     check_device,

@@ -1,0 +1,566 @@
+"""Processed distributions: temperature, top-k, top-p and min-p, held compactly, and categorical draws.
+
+Rules (DESIGN.md): vocab mask, temperature, top-k, top-p on the top-k-renormalised
+distribution, min-p, renormalise; temperature 0 is greedy (one-hot at the argmax). "Order"
+is logit (or probability) desc, id asc: top-k keeps exactly k tokens, ties to the lower id;
+top-p keeps the smallest prefix of that order whose mass reaches p.
+
+A processed distribution is held in :class:`Part` s: rows whose kept set is bounded keep
+only their candidate tokens (in id order), the others are dense. Nothing sorts the
+vocabulary:
+
+- top-k: the k largest logits, found among the chunks of the row with the largest maxima
+  (a pass computing chunk maxima, then a top-k over a few chunks);
+- top-p alone: a nucleus within the 64 most likely tokens is found as for top-k; a larger
+  one is found exactly without a sort: a strided subsample estimates a weight ``lb`` that
+  the nucleus lies above, the tokens above ``lb`` are compacted (their mass proves the
+  nucleus is among them, else ``lb`` is lowered), and a radix select on the float bit
+  patterns of those candidates finds the cut.
+
+Categorical draws use one uniform per row: the token is the first id, in id order, whose
+cumulative probability exceeds ``u * total`` (see :mod:`specsampler.rng`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .params import RowParams
+
+SMALL_NUCLEUS = 64  # nuclei first searched among the 64 most likely tokens
+_BLOCK = 512  # rows per block in the search for large nuclei
+_RADIX_SHIFTS = (20, 9, 0)  # the radix select's digits: bits 30..20, 19..9, 8..0 of the weights
+_RADIX_KEYS = 1 << 11
+_RADIX_SORT = 64  # pending tokens per row (on average) few enough to sort
+_SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from
+_EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight
+_EST_KEYS = 1 << 11
+_EST_MARGIN = 8  # bins (one octave) the bound is set below the estimated crossing
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class _Scratch(threading.local):
+    """Large temporaries reused across calls, one set per thread (fresh allocations of this
+    size cost more in page faults than the passes that fill them). Never part of a result."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+_SCRATCH = _Scratch()
+
+
+@dataclass(frozen=True)
+class Part:
+    """Some rows of a :class:`Processed`, held one way.
+
+    rows: int64 ``[r]``, which of the ``R`` rows these are, or ``None`` for all of them.
+    ids: int64 ``[r, C]``: each row's candidate tokens in increasing id order, padded with
+        id 0 at probability 0; or ``None`` when the rows are dense.
+    probs: float32 ``[r, C]`` aligned with ``ids``, or ``[r, V]``: normalised, 0 outside the
+        kept set (a row whose kept set has no mass, e.g. all masked, is all 0).
+    """
+
+    rows: Tensor | None
+    ids: Tensor | None
+    probs: Tensor
+
+    def dense(self, vocab_size: int) -> Tensor:
+        if self.ids is None:
+            return self.probs
+        out = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
+        return out.scatter_add_(1, self.ids, self.probs)
+
+    def sample(self, u: Tensor) -> Tensor:
+        idx = sample_by_inversion(self.probs, u)
+        return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
+
+    def prob(self, tokens: Tensor) -> Tensor:
+        if self.ids is None:
+            return self.probs.gather(1, tokens[:, None])[:, 0]
+        return torch.where(self.ids == tokens[:, None], self.probs, 0.0).sum(-1)
+
+    def top(self, n: int) -> tuple[Tensor, Tensor]:
+        probs, pos = ordered_prefix(self.probs, n)
+        ids = pos if self.ids is None else self.ids.gather(1, pos)
+        if probs.shape[1] < n:  # fewer candidates than asked: pad
+            pad = n - probs.shape[1]
+            probs = torch.nn.functional.pad(probs, (0, pad))
+            ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
+        return torch.where(probs > 0, ids, -1), probs.log()
+
+
+@dataclass(frozen=True)
+class Processed:
+    """The processed distributions of ``R`` rows over a vocabulary of ``V`` tokens, in parts."""
+
+    parts: tuple[Part, ...]
+    num_rows: int
+    vocab_size: int
+
+    def _per_row(self, fn, *row_args: Tensor) -> tuple[Tensor, ...]:
+        """Run ``fn(part, *args of its rows)`` on every part and assemble its outputs ``[R, ...]``."""
+        if len(self.parts) == 1 and self.parts[0].rows is None:
+            out = fn(self.parts[0], *row_args)
+            return out if isinstance(out, tuple) else (out,)
+        outs = None
+        for part in self.parts:
+            res = fn(part, *(a[part.rows] for a in row_args))
+            res = res if isinstance(res, tuple) else (res,)
+            if outs is None:
+                outs = tuple(r.new_empty((self.num_rows, *r.shape[1:])) for r in res)
+            for o, r in zip(outs, res):
+                o[part.rows] = r
+        return outs
+
+    @staticmethod
+    def from_dense(probs: Tensor) -> Processed:
+        """Distributions given as they are: float32 ``[R, V]`` (not copied)."""
+        return Processed((Part(None, None, probs),), probs.shape[0], probs.shape[1])
+
+    def select(self, rows: Tensor) -> Processed:
+        """The distributions of ``rows`` (int64 ``[n]``, any order, repeats allowed), copied."""
+        parts = []
+        if len(self.parts) == 1 and self.parts[0].rows is None:
+            part = self.parts[0]
+            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, part.probs[rows]))
+        else:
+            part_of = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
+            local = torch.empty_like(part_of)
+            for k, part in enumerate(self.parts):
+                part_of[part.rows] = k
+                local[part.rows] = torch.arange(part.rows.numel(), device=rows.device)
+            for k, part in enumerate(self.parts):
+                sel = (part_of[rows] == k).nonzero()[:, 0]
+                if sel.numel():
+                    loc = local[rows[sel]]
+                    parts.append(Part(sel, part.ids[loc] if part.ids is not None else None, part.probs[loc]))
+            if not parts:  # no rows selected
+                parts.append(Part(None, None, self.parts[0].probs.new_zeros(0, self.vocab_size)))
+        return Processed(tuple(parts), rows.numel(), self.vocab_size)
+
+    def dense(self) -> Tensor:
+        """float32 ``[R, V]``."""
+        return self._per_row(lambda part: part.dense(self.vocab_size))[0]
+
+    def sample(self, u: Tensor) -> Tensor:
+        """One token per row by inversion of ``u`` float32 ``[R]``; int64 ``[R]``, always in ``[0, V)``."""
+        return self._per_row(Part.sample, u)[0]
+
+    def prob(self, tokens: Tensor) -> Tensor:
+        """Probability of ``tokens`` int64 ``[R]`` (in ``[0, V)``); float32 ``[R]``."""
+        return self._per_row(Part.prob, tokens)[0]
+
+    def top(self, n: int) -> tuple[Tensor, Tensor]:
+        """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
+        return self._per_row(lambda part: part.top(n))
+
+
+def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
+    """Index of the first column whose cumulative weight exceeds ``u * total``, per row.
+
+    weights: float32 ``[R, C]`` (need not be normalised); u: float32 ``[R]`` in [0, 1).
+    Returns int64 ``[R]`` in ``[0, C)``; never an index of zero weight when the row has mass.
+    """
+    cum = weights.cumsum(-1)
+    total = cum[:, -1:].contiguous()
+    idx = torch.searchsorted(cum, u[:, None] * total, right=True)
+    last = torch.searchsorted(cum, total, right=False)  # the last column that adds mass
+    return torch.minimum(idx, last).clamp_(0, weights.shape[1] - 1)[:, 0]
+
+
+# ----------------------------------------------------------------------------- ordered prefixes
+
+
+def _chunk_len(V: int) -> int:
+    """A chunk length dividing V (64, else 128, 32 or 256), or 0."""
+    return next((L for L in (64, 128, 32, 256) if V % L == 0), 0)
+
+
+def ordered_prefix(scores: Tensor, n: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The first ``n`` entries of each row in (score desc, id asc) order, exactly (ties included).
+
+    scores: float32 ``[R, V]``. Returns values float32 ``[R, min(n, V)]`` and ids int64.
+    When n is small against V, the candidates come from the chunks (of length
+    :func:`_chunk_len`) with the largest maxima (``chunk_max`` ``[R, V / L]`` if already
+    computed); otherwise a ``torch.topk`` of the row. NaN counts as larger than any number
+    (as in ``torch.topk``).
+    """
+    R, V = scores.shape
+    n = min(n, V)
+    if n == V:
+        return torch.sort(scores, dim=-1, descending=True, stable=True)
+    L = _chunk_len(V)
+    if L and 4 * (n + 2) <= V // L and scores.is_contiguous():
+        return _ordered_prefix_by_chunks(scores, n, L, chunk_max)
+    return _ordered_prefix_of_rows(scores, n)
+
+
+def _ordered_prefix_of_rows(scores: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` by a top-k of whole rows; rows tied across the cut resolved by id."""
+    vals, ids = torch.topk(scores, n + 1, dim=-1)
+    tie = vals[:, n - 1] == vals[:, n]
+    vals, ids = vals[:, :n], ids[:, :n]
+    if bool(tie.any()):
+        rows = tie.nonzero()[:, 0]
+        s = scores[rows]
+        cut = vals[rows, n - 1 : n]
+        above = (s > cut) | s.isnan()
+        at = s == cut
+        keep = above | (at & (at.cumsum(-1) <= n - above.sum(-1, keepdim=True)))
+        sel = keep.nonzero()[:, 1].view(-1, n)
+        ids, vals = ids.clone(), vals.clone()
+        ids[rows], vals[rows] = sel, s.gather(1, sel)
+    ids, perm = ids.sort(dim=-1)
+    vals, perm2 = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, perm2)
+
+
+def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` among the n + 1 chunks of length L with the largest maxima.
+
+    Exact when the (n+1)-th largest candidate exceeds the largest maximum of the other
+    chunks (every token outside is then smaller); other rows fall back to a whole-row top-k.
+    """
+    R, V = scores.shape
+    chunks = scores.view(R, V // L, L)
+    best = torch.topk(chunks.amax(-1) if chunk_max is None else chunk_max, n + 2, dim=-1)
+    picked = best.indices[:, : n + 1].sort(-1).values  # in id order, so that ties go to the lower id
+    cand = chunks.gather(1, picked[:, :, None].expand(R, n + 1, L)).view(R, -1)
+    vals, pos = _ordered_prefix_of_rows(cand, n + 1)
+    ids = picked.gather(1, pos // L) * L + pos % L
+    exact = vals[:, n] > best.values[:, n + 1]
+    vals, ids = vals[:, :n], ids[:, :n]
+    if not bool(exact.all()):
+        rows = (~exact).nonzero()[:, 0]
+        vals, ids = vals.clone(), ids.clone()
+        vals[rows], ids[rows] = _ordered_prefix_of_rows(scores[rows], n)
+    return vals, ids
+
+
+# ----------------------------------------------------------------------------- processing
+
+
+def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) -> Processed:
+    """Apply temperature (if ``logits``), top-k, top-p and min-p to each row, renormalised.
+
+    x: float32 ``[R, V]``: masked logits (``-inf`` = masked) or, with ``logits=False``,
+        probabilities (temperature is then ignored). Not modified.
+    rp: per-row parameters ``[R]``.
+    min_candidates: keep at least this many candidates in rows of at most that many
+        tokens' support found by top-k (for top-N log-probabilities).
+    """
+    R, V = x.shape
+    greedy = rp.temperature == 0 if logits else torch.zeros(R, dtype=torch.bool, device=x.device)
+    topk_on = (rp.top_k > 0) & (rp.top_k < V) & ~greedy
+    bounded = greedy | topk_on  # at most k candidates
+    nucleus = (rp.top_p < 1) & ~bounded  # top-p alone: the nucleus size is found per row
+    plain = ~(bounded | nucleus)  # temperature and min-p only: dense
+    parts = []
+    if R == 0 or bool(plain.any()):
+        rows = _rows_where(plain)
+        parts.append(_plain_part(rows, _take(x, rows), _take_params(rp, rows), logits))
+    if bool(bounded.any()):
+        rows = _rows_where(bounded)
+        parts.append(_bounded_part(rows, _take(x, rows), _take_params(rp, rows), _take(greedy, rows), logits,
+                                   min_candidates))
+    if bool(nucleus.any()):
+        rows = _rows_where(nucleus)
+        parts += _nucleus_parts(rows, _take(x, rows), _take_params(rp, rows), logits)
+    return Processed(tuple(parts), R, V)
+
+
+def _rows_where(mask: Tensor) -> Tensor | None:
+    return None if bool(mask.all()) else mask.nonzero()[:, 0]
+
+
+def _take(t: Tensor, rows: Tensor | None) -> Tensor:
+    return t if rows is None else t[rows]
+
+
+def _take_params(rp: RowParams, rows: Tensor | None) -> RowParams:
+    return rp if rows is None else rp.take(rows)
+
+
+def _within(outer: Tensor | None, inner: Tensor | None) -> Tensor | None:
+    """Rows ``inner`` of the subset ``outer``, as indices into the full batch."""
+    if inner is None:
+        return outer
+    return inner if outer is None else outer[inner]
+
+
+def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool) -> Tensor:
+    """Unnormalised probabilities, a new tensor: ``exp((x - top) / T)`` for logits, else x.
+
+    top: float32 ``[r, 1]``, the row maximum. A row without a finite logit has no mass;
+    negative or NaN probabilities count as 0.
+    """
+    if not logits:
+        return vals.nan_to_num(nan=0.0, posinf=0.0).clamp_(min=0.0)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    return (vals - top).mul_(1.0 / temperature[:, None]).exp_()
+
+
+def _normalise_(w: Tensor) -> Tensor:
+    """Divide each row by its sum, in place (rows without mass stay 0)."""
+    return w.div_(w.sum(-1, keepdim=True).clamp_(min=_TINY))
+
+
+def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
+    """top-p (against the mass ``z``, default the candidates' own) and min-p on ordered candidates.
+
+    w: float32 ``[r, C]`` in (logit desc, id asc) order. Returns the kept weights.
+    """
+    cum = w.cumsum(-1)
+    z = cum[:, -1] if z is None else z
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass strictly before each candidate
+    keep = (rp.top_p >= 1)[:, None] | (before < rp.top_p[:, None] * z[:, None])
+    keep &= w >= rp.min_p[:, None] * w[:, :1]
+    return torch.where(keep, w, 0.0)
+
+
+def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part:
+    ids, perm = ids.sort(dim=-1)
+    return Part(rows, ids, _normalise_(weights.gather(1, perm)))
+
+
+def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
+    """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
+    keep_n = torch.where(greedy, 1, rp.top_k)
+    vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
+    w = _weights(vals, vals[:, :1], torch.where(greedy, 1.0, rp.temperature), logits)
+    w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
+    return _part_in_id_order(rows, ids, _cut_candidates(w, rp))
+
+
+def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
+    """Top-p rows without top-k: sparse, their nucleus found without sorting the vocabulary.
+
+    Rows are taken in blocks of :data:`_BLOCK`, which bounds the per-row histograms' memory.
+    """
+    r, V = x.shape
+    if V <= SMALL_NUCLEUS:  # the whole row is the candidate set
+        vals, ids = ordered_prefix(x, V)
+        w = _weights(vals, vals[:, :1], rp.temperature, logits)
+        return [_part_in_id_order(rows, ids, _cut_candidates(w, rp))]
+    if r <= _BLOCK:
+        return _nucleus_block(rows, x, rp, logits)
+    parts = []
+    for start in range(0, r, _BLOCK):
+        block = torch.arange(start, min(r, start + _BLOCK), device=x.device)
+        parts += _nucleus_block(_within(rows, block), x[block], rp.take(block), logits)
+    return parts
+
+
+def _nucleus_block(rows, x, rp, logits) -> list[Part]:
+    r, V = x.shape
+    L = _chunk_len(V)
+    chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
+    w = _SCRATCH.get("weights", (r, V), torch.float32, x.device)
+    if logits:  # normalised weights, computed in the scratch buffer
+        scaled = _SCRATCH.get("scaled", (r, V), torch.float32, x.device)
+        torch.softmax(torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled), -1, out=w)
+        w.nan_to_num_(nan=0.0)  # rows without a finite logit have no mass
+    else:
+        w.copy_(x).nan_to_num_(nan=0.0, posinf=0.0).clamp_(min=0.0)
+    z = w.sum(-1)
+    target = rp.top_p * z
+    vals, head = ordered_prefix(x, SMALL_NUCLEUS, chunk_max)  # the most likely tokens hold small nuclei
+    head_w = w.gather(1, head)
+    found = head_w.sum(-1) >= target
+    parts = []
+    if bool(found.any()):
+        sub = _rows_where(found)
+        kept = _cut_candidates(_take(head_w, sub), _take_params(rp, sub), _take(z, sub))
+        parts.append(_part_in_id_order(_within(rows, sub), _take(head, sub), kept))
+    if not bool(found.all()):
+        lb, likely = _nucleus_bound(w, target, z, head, head_w)
+        parts += _large_nuclei(rows, w, torch.where(found, float("inf"), lb), likely, target, rp, head_w[:, :1])
+    return parts
+
+
+def _plain_part(rows, x, rp, logits) -> Part:
+    """Rows with neither top-k nor top-p: dense, with min-p."""
+    top = x.amax(-1, keepdim=True)
+    w = _weights(x, top, rp.temperature, logits)
+    if bool((rp.min_p > 0).any()):
+        w.masked_fill_(w < rp.min_p[:, None] * (1.0 if logits else top), 0.0)
+    return Part(rows, None, _normalise_(w))
+
+
+# ----------------------------------------------------------------------------- large nuclei
+
+
+def _keys(w: Tensor, shift: int) -> Tensor:
+    """Bins of non-negative float32 weights by their bit patterns (monotone in the weight)."""
+    return w.contiguous().view(torch.int32) >> shift
+
+
+def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
+    """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
+    r = keys.shape[0]
+    flat = keys + torch.arange(r, dtype=torch.int32, device=keys.device)[:, None] * num_keys
+    out = torch.zeros(r * num_keys, device=keys.device)
+    return out.index_add_(0, flat.reshape(-1), values.reshape(-1)).view(r, num_keys)
+
+
+def _suffix(hist: Tensor) -> Tensor:
+    """``[r, n]`` -> sums over the bins >= k, for each k."""
+    return hist.flip(-1).cumsum(-1).flip(-1)
+
+
+def _nucleus_bound(w: Tensor, target: Tensor, z: Tensor, head: Tensor, head_w: Tensor) -> tuple[Tensor, Tensor]:
+    """A weight each row's nucleus very likely lies above (an estimate, checked by the caller),
+    and whether the tokens above it very likely reach the target.
+
+    From a strided subsample: the mass above each bin edge (8 bins per octave of weight) is
+    the exact mass of the ``head`` tokens above it plus the rest's, estimated from the
+    subsample scaled to the rest's exact total; it gives an estimated nucleus size n. The
+    bound is the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most
+    V/16), so that compaction stays cheap while keeping a wide margin for the estimate's error.
+
+    w: float32 ``[r, V]``; target, z: ``[r]``, the mass to reach and the row's mass;
+    head: int64 ``[r, h]`` token ids, head_w: their weights.
+    """
+    r, V = w.shape
+    stride = max(1, V // _SUBSAMPLE)
+    sub = w[:, ::stride].clone(memory_format=torch.contiguous_format)  # a copy, modified below
+    b, j = (head % stride == 0).nonzero(as_tuple=True)
+    sub[b, head[b, j] // stride] = 0.0  # the head is counted exactly, not through the subsample
+    keys, head_keys = _keys(sub, _EST_SHIFT), _keys(head_w, _EST_SHIFT)
+    count = _suffix(_histogram(keys, (sub > 0).float(), _EST_KEYS)) * (V / sub.shape[1])
+    count += _suffix(_histogram(head_keys, torch.ones_like(head_w), _EST_KEYS))
+    scale = (z - head_w.sum(-1)).clamp(min=0.0) / sub.sum(-1).clamp(min=_TINY)
+    mass = _suffix(_histogram(keys, sub, _EST_KEYS)) * scale[:, None]
+    mass += _suffix(_histogram(head_keys, head_w, _EST_KEYS))
+    crossing = ((mass >= target[:, None]).sum(-1) - 1).clamp(min=0)  # the estimated nucleus edge
+    room = (2 * count.gather(1, crossing[:, None]) + 128).clamp(max=V // 16)  # candidates to allow
+    k = (count > room).sum(-1)  # the lowest bin with at most that many tokens above
+    k = torch.minimum(k, head_keys[:, 0].long())  # not above the most likely token
+    lb = torch.where(k > 0, (k.to(torch.int32) << _EST_SHIFT).view(torch.float32), 0.0)
+    return lb, mass.gather(1, k[:, None])[:, 0] >= target
+
+
+def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, rp: RowParams, w_max) -> list[Part]:
+    """The rows with a finite ``lb``, whose nucleus holds more than the head.
+
+    Their tokens above ``lb`` are compacted (candidates in id order) when their mass proves
+    the nucleus is among them; rows whose tokens above ``lb`` are not ``likely`` to reach the
+    target, or do not, are cut densely instead.
+
+    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb, target: ``[r]``; likely:
+    bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
+    """
+    r, V = w.shape
+    compact = likely
+    above = _SCRATCH.get("above", (r, V), torch.bool, w.device)
+    torch.ge(w, torch.where(compact, lb, float("inf"))[:, None], out=above)
+    b, cols = _nonzero_2d(above)
+    vals = w.view(-1).index_select(0, b * V + cols)
+    reached = torch.zeros(r, device=w.device).index_add_(0, b, vals) >= target
+    compact &= reached  # rows short of the target, and rows not in the search (lb = inf), drop out
+    dense = (lb != float("inf")) & ~compact
+    parts = []
+    if bool(compact.any()):
+        sub = _rows_where(compact)
+        if sub is not None:  # renumber the compacted rows 0..n-1
+            on = compact[b]
+            b, cols, vals = (compact.cumsum(0) - 1)[b[on]], cols[on], vals[on]
+        counts = torch.bincount(b, minlength=r if sub is None else sub.numel()).tolist()
+        pad = torch.nn.utils.rnn.pad_sequence
+        ids = pad(torch.split(cols, counts), batch_first=True)  # each row's candidates, in id order
+        cand = pad(torch.split(vals, counts), batch_first=True)
+        cut_to_mass_(cand, _take(target, sub))
+        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
+    if bool(dense.any()):
+        sub = _rows_where(dense)
+        rows_w = w.clone() if sub is None else w[sub]
+        cut_to_mass_(rows_w, _take(target, sub))
+        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub)))
+    return parts
+
+
+def _nonzero_2d(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``mask.nonzero(as_tuple=True)`` for a sparse contiguous bool ``[r, V]``, faster: the
+    mask is scanned 8 bytes at a time, then only the words holding a True are expanded."""
+    if mask.shape[1] % 8 or not mask.is_contiguous():
+        return mask.nonzero(as_tuple=True)
+    words = mask.view(torch.int64)
+    rows, word = words.nonzero(as_tuple=True)
+    k, byte = words[rows, word].view(torch.uint8).view(-1, 8).nonzero(as_tuple=True)
+    return rows[k], word[k] * 8 + byte
+
+
+def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
+    """min-p (threshold ``min_p * w_max``, with ``w_max`` ``[r, 1]`` taken at ``rows``) and
+    renormalisation, in place."""
+    if bool((rp.min_p > 0).any()):
+        w.masked_fill_(w < rp.min_p[:, None] * _take(w_max, rows), 0.0)
+    return _normalise_(w)
+
+
+def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
+    """The bucket where each row's prefix mass crosses the target (-1 if never), from a
+    histogram ``[r, k]`` of the pending tokens' mass by digit; adds to ``above`` (in place)
+    the mass of the buckets above it."""
+    suffix = torch.nn.functional.pad(_suffix(mass), (0, 1))  # + an empty bucket above the top
+    crossing = (above[:, None] + suffix >= target[:, None]).sum(-1) - 1
+    above += suffix.gather(1, (crossing + 1)[:, None])[:, 0]
+    return crossing
+
+
+def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
+    """Zero, in place, each row's weights outside the smallest prefix of the (weight desc,
+    position asc) order whose mass reaches ``target`` (all of them if none does).
+
+    A radix select on the weights' float32 bit patterns (monotone in the weight), 11 bits at
+    a time: a histogram of mass by digit finds the bucket where the prefix mass crosses the
+    target; tokens above it are kept, below dropped, and the next digit splits the crossing
+    bucket. The few tokens left in the last crossing bucket are ordered by a sort.
+
+    w: float32 ``[r, C]``, >= 0 (modified). target: float32 ``[r]``, absolute mass.
+    """
+    r, C = w.shape
+    above = torch.zeros(r, device=w.device)  # mass of the tokens known to be kept
+    # first digit on the whole matrix; then only the crossing bucket's tokens, compacted
+    digit = _keys(w, _RADIX_SHIFTS[0])
+    crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target)
+    w.masked_fill_(digit < crossing[:, None], 0.0)
+    b, col = (digit == crossing[:, None]).nonzero(as_tuple=True)
+    for shift in _RADIX_SHIFTS[1:]:
+        if b.numel() <= r * _RADIX_SORT:
+            break
+        v = w[b, col]
+        digit = (v.view(torch.int32) >> shift) & (_RADIX_KEYS - 1)
+        mass = torch.zeros(r * _RADIX_KEYS, device=w.device).index_add_(0, b * _RADIX_KEYS + digit, v)
+        crossing = _cross(mass.view(r, _RADIX_KEYS), above, target)
+        below = digit < crossing[b]
+        w[b[below], col[below]] = 0.0
+        stay = digit == crossing[b]
+        b, col = b[stay], col[stay]
+    # the last pending tokens of each row, ordered (weight desc, position asc)
+    v, order = w[b, col].sort(descending=True, stable=True)
+    b, col = b[order], col[order]
+    b, order = b.sort(stable=True)
+    col, v = col[order], v[order]
+    counts = torch.bincount(b, minlength=r)
+    pos = torch.arange(b.numel(), device=w.device) - (counts.cumsum(0) - counts)[b]
+    grid = torch.zeros(r, int(counts.max()) if b.numel() else 0, device=w.device)
+    grid[b, pos] = v
+    before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0))[b, pos]
+    drop = above[b] + before >= target[b]
+    w[b[drop], col[drop]] = 0.0
+    return w
