@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -5,7 +6,16 @@ from scipy import stats
 import specsampler as ss
 from conftest import mc_trials
 from specsampler import SamplingParams as SP
-from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, philox4x32, philox_uniform, uniform
+from specsampler.rng import (
+    STREAM_ACCEPT,
+    STREAM_SAMPLE,
+    _uniform_numpy,
+    _uniform_torch,
+    philox4x32,
+    philox4x32_numpy,
+    philox_uniform,
+    uniform,
+)
 
 CPU = torch.device("cpu")
 
@@ -23,6 +33,18 @@ def test_philox_matches_random123_known_answers(counter, key, expected):
     t = lambda v: torch.tensor([v], dtype=torch.int64)
     out = philox4x32(tuple(map(t, counter)), tuple(map(t, key)))
     assert tuple(int(w) for w in out) == expected
+    n = lambda v: np.array([v], dtype=np.uint64)
+    out = philox4x32_numpy(tuple(map(n, counter)), tuple(map(n, key)))
+    assert tuple(int(w[0]) for w in out) == expected
+
+
+def test_the_numpy_and_torch_paths_draw_the_same_uniforms():
+    g = torch.Generator().manual_seed(0)
+    seed = torch.randint(-(2**62), 2**62, (50,), generator=g)
+    offset = torch.randint(0, 2**40, (50,), generator=g)
+    index = torch.randint(0, 2**20, (50, 7), generator=g)
+    for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
+        assert torch.equal(_uniform_numpy(seed, offset, index, stream), _uniform_torch(seed, offset, index, stream))
 
 
 def test_uniforms_are_float32_in_the_unit_interval_and_uniform():

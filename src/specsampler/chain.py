@@ -165,10 +165,14 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
     if c.method == "token":
         u = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)[:, 1:]  # draft i is node i+1 of the chain
         n = _leading_run((u * q_x < p_x) & c.usable)
-        stop = target.select(batch * (K + 1) + n).dense()
+        stop_rows = batch * (K + 1) + n
+        stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
         if K:
-            residual = (stop - c.q[batch, n.clamp(max=K - 1)]).clamp_(min=0.0)
-            stop = torch.where((n < c.num_drafts)[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, stop)
+            rejected = n < c.num_drafts
+            stop.sub_(c.q[batch, n.clamp(max=K - 1)].mul_(rejected[:, None])).clamp_(min=0.0)
+            empty = rejected & ~(stop.sum(-1) > 0)
+            if bool(empty.any()):  # a residual without mass: draw from p itself
+                stop[empty] = target.select(stop_rows[empty]).dense()
         expected = torch.where(c.usable, _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
         return _result(c, n, sample_by_inversion(stop, u_draw.gather(1, n[:, None])[:, 0]), expected)
     # block

@@ -151,6 +151,14 @@ def check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def bench(args: argparse.Namespace) -> int:
+    """Benchmarks (specsampler.bench): a table, JSON records and optionally a plot."""
+    from .bench import run
+
+    records = run(args.device, args.reps, args.quick, args.out, args.plot)
+    return 0 if all(r.get("met", True) for r in records) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specsampler", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=100_000)
     p.add_argument("--only", choices=["chain", "tree"], help="check one family only")
     p.set_defaults(func=check)
+    p = sub.add_parser("bench", help="benchmarks against plain-PyTorch baselines and the one-read floor")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="smaller shapes")
+    p.add_argument("--out", help="write the JSON records here")
+    p.add_argument("--plot", help="write a PNG of the speedups here (needs matplotlib)")
+    p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

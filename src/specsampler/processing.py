@@ -42,6 +42,7 @@ _EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight
 _EST_KEYS = 1 << 11
 _EST_MARGIN = 8  # bins (one octave) the bound is set below the estimated crossing
 _TINY = torch.finfo(torch.float32).tiny
+_INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 
 
 class _Scratch(threading.local):
@@ -174,12 +175,28 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
 
     weights: float32 ``[R, C]`` (need not be normalised); u: float32 ``[R]`` in [0, 1).
     Returns int64 ``[R]`` in ``[0, C)``; never an index of zero weight when the row has mass.
+    Wide rows are inverted in two steps: over the sums of chunks of 256 columns, then within
+    the chunk found (the same draw but for float rounding at a chunk boundary).
     """
-    cum = weights.cumsum(-1)
+    R, C = weights.shape
+    if C < 4 * _INVERSION_CHUNK or C % _INVERSION_CHUNK or not weights.is_contiguous():
+        return _invert(weights.cumsum(-1), u[:, None] * weights.sum(-1, keepdim=True).clamp(min=0))[:, 0]
+    chunks = weights.view(R, C // _INVERSION_CHUNK, _INVERSION_CHUNK)
+    csum = chunks.sum(-1).cumsum(-1)
+    t = u[:, None] * csum[:, -1:]
+    c = _invert(csum, t)
+    before = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)), 0.0)
+    inner = chunks[torch.arange(R, device=weights.device), c[:, 0]]
+    return (c * _INVERSION_CHUNK + _invert(inner.cumsum(-1), t - before))[:, 0]
+
+
+def _invert(cum: Tensor, t: Tensor) -> Tensor:
+    """``[R, 1]``: the first column of the row-wise cumulative sums ``cum`` ``[R, C]`` exceeding
+    ``t`` ``[R, 1]``, but not past the last column that adds mass."""
     total = cum[:, -1:].contiguous()
-    idx = torch.searchsorted(cum, u[:, None] * total, right=True)
-    last = torch.searchsorted(cum, total, right=False)  # the last column that adds mass
-    return torch.minimum(idx, last).clamp_(0, weights.shape[1] - 1)[:, 0]
+    idx = torch.searchsorted(cum, t.contiguous(), right=True)
+    last = torch.searchsorted(cum, total, right=False)
+    return torch.minimum(idx, last).clamp_(0, cum.shape[1] - 1)
 
 
 # ----------------------------------------------------------------------------- ordered prefixes
@@ -378,18 +395,36 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
         w.copy_(x).nan_to_num_(nan=0.0, posinf=0.0).clamp_(min=0.0)
     z = w.sum(-1)
     target = rp.top_p * z
+    parts = []
+    best = _argmax(x, chunk_max)
+    single = w.gather(1, best[:, None])[:, 0] >= target  # a token that alone reaches top-p is the nucleus
+    if bool(single.any()):
+        sub = _rows_where(single)
+        ones = torch.ones(r if sub is None else sub.numel(), 1, device=x.device)
+        parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], ones))
+        if sub is None:
+            return parts
     vals, head = ordered_prefix(x, SMALL_NUCLEUS, chunk_max)  # the most likely tokens hold small nuclei
     head_w = w.gather(1, head)
-    found = head_w.sum(-1) >= target
-    parts = []
+    found = (head_w.sum(-1) >= target) & ~single
     if bool(found.any()):
         sub = _rows_where(found)
         kept = _cut_candidates(_take(head_w, sub), _take_params(rp, sub), _take(z, sub))
         parts.append(_part_in_id_order(_within(rows, sub), _take(head, sub), kept))
-    if not bool(found.all()):
+    if not bool((found | single).all()):
         lb, likely = _nucleus_bound(w, target, z, head, head_w)
-        parts += _large_nuclei(rows, w, torch.where(found, float("inf"), lb), likely, target, rp, head_w[:, :1])
+        lb = torch.where(found | single, float("inf"), lb)
+        parts += _large_nuclei(rows, w, lb, likely, target, rp, head_w[:, :1])
     return parts
+
+
+def _argmax(x: Tensor, chunk_max: Tensor | None) -> Tensor:
+    """Each row's argmax (the lowest id among ties), from its chunk maxima when given."""
+    if chunk_max is None:
+        return x.argmax(-1)
+    r, n = chunk_max.shape
+    c = chunk_max.argmax(-1)
+    return c * (x.shape[1] // n) + x.view(r, n, -1)[torch.arange(r, device=x.device), c].argmax(-1)
 
 
 def _plain_part(rows, x, rp, logits) -> Part:

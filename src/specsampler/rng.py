@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -118,6 +119,19 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[Tensor
     return c0, c1, c2, c3
 
 
+def philox4x32_numpy(counter: tuple, key: tuple, rounds: int = 10):
+    """:func:`philox4x32` on numpy uint64 arrays of 32-bit words (exact products, few ops: the CPU path)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    a, b, mask = np.uint64(_ROUND_A), np.uint64(_ROUND_B), np.uint64(_MASK32)
+    s32 = np.uint64(32)
+    for _ in range(rounds):
+        p0, p1 = a * c0, b * c2
+        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & mask, (p0 >> s32) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + np.uint64(_KEY_A)) & mask, (k1 + np.uint64(_KEY_B)) & mask
+    return c0, c1, c2, c3
+
+
 def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
     """Uniforms in [0, 1) at the documented counters.
 
@@ -126,8 +140,24 @@ def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> 
         index: int64 ``[B, n]``: the draw index of each uniform within its request.
         stream: ``STREAM_SAMPLE`` or ``STREAM_ACCEPT``.
     Returns:
-        float32 ``[B, n]``.
+        float32 ``[B, n]`` (on the CPU computed with numpy, elsewhere with torch ops: the same numbers).
     """
+    impl = _uniform_numpy if index.device.type == "cpu" else _uniform_torch
+    return impl(seed, offset, index, stream)
+
+
+def _uniform_numpy(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
+    u64 = lambda t: t.numpy().astype(np.uint64, order="C")  # two's complement: the low 64 bits
+    mask, s32 = np.uint64(_MASK32), np.uint64(32)
+    s, o, i = u64(seed)[:, None], u64(offset)[:, None], u64(index)
+    lo, hi = np.broadcast_to(o & mask, i.shape), np.broadcast_to(o >> s32, i.shape)
+    counter = (i & mask, np.full_like(i, stream), lo, hi)
+    word = philox4x32_numpy(counter, (s & mask, s >> s32))[0]
+    u = (word >> np.uint64(8)).astype(np.float32, order="C") * np.float32(2.0**-24)
+    return torch.from_numpy(np.ascontiguousarray(u).reshape(index.shape))
+
+
+def _uniform_torch(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
     shape = index.shape
     k0 = (seed & _MASK32)[:, None].expand(shape)
     k1 = ((seed >> 32) & _MASK32)[:, None].expand(shape)
