@@ -169,7 +169,8 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
         stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
         if K:
             rejected = n < c.num_drafts
-            stop.sub_(c.q[batch, n.clamp(max=K - 1)].mul_(rejected[:, None])).clamp_(min=0.0)
+            q_rows = c.q.reshape(B * K, -1).index_select(0, batch * K + n.clamp(max=K - 1))
+            stop.sub_(q_rows.mul_(rejected[:, None])).clamp_(min=0.0)
             empty = rejected & ~(stop.sum(-1) > 0)
             if bool(empty.any()):  # a residual without mass: draw from p itself
                 stop[empty] = target.select(stop_rows[empty]).dense()

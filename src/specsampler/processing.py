@@ -137,7 +137,7 @@ class Processed:
         parts = []
         if len(self.parts) == 1 and self.parts[0].rows is None:
             part = self.parts[0]
-            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, part.probs[rows]))
+            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, _take(part.probs, rows)))
         else:
             part_of = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
             local = torch.empty_like(part_of)
@@ -148,7 +148,8 @@ class Processed:
                 sel = (part_of[rows] == k).nonzero()[:, 0]
                 if sel.numel():
                     loc = local[rows[sel]]
-                    parts.append(Part(sel, part.ids[loc] if part.ids is not None else None, part.probs[loc]))
+                    ids = _take(part.ids, loc) if part.ids is not None else None
+                    parts.append(Part(sel, ids, _take(part.probs, loc)))
             if not parts:  # no rows selected
                 parts.append(Part(None, None, self.parts[0].probs.new_zeros(0, self.vocab_size)))
         return Processed(tuple(parts), rows.numel(), self.vocab_size)
@@ -305,7 +306,8 @@ def _rows_where(mask: Tensor) -> Tensor | None:
 
 
 def _take(t: Tensor, rows: Tensor | None) -> Tensor:
-    return t if rows is None else t[rows]
+    """Rows of ``t`` (dim 0) at int64 ``rows`` (whole rows copied: ``index_select``), or ``t`` for None."""
+    return t if rows is None else t.index_select(0, rows)
 
 
 def _take_params(rp: RowParams, rows: Tensor | None) -> RowParams:

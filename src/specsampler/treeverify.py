@@ -111,19 +111,25 @@ class _Rows:
                  mask: Tensor | None = None):
         self.probs, self.logits, self.rp, self.mask = probs, logits, rp, mask
 
+    @staticmethod
+    def _rows(t: Tensor, b: Tensor, node: Tensor) -> Tensor:
+        """``t[b, node]`` for ``[B, N, V]``, whole rows copied."""
+        B, N, V = t.shape
+        return t.reshape(B * N, V).index_select(0, b * N + node)
+
     def _logits(self, b: Tensor, node: Tensor) -> Tensor:
-        x = self.logits[b, node].float()
+        x = self._rows(self.logits, b, node).float()
         return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
 
     def at(self, b: Tensor, node: Tensor) -> Processed:
         """Processed distributions of rows ``(b[i], node[i])``."""
         if self.probs is not None:
-            return Processed.from_dense(self.probs[b, node].float())
+            return Processed.from_dense(self._rows(self.probs, b, node).float())
         N = self.logits.shape[1]
         return process(self._logits(b, node), self.rp.take(b * N + node), logits=True)
 
     def argmax(self, b: Tensor, node: Tensor) -> Tensor:
-        rows = self.probs[b, node] if self.probs is not None else self._logits(b, node)
+        rows = self._rows(self.probs, b, node) if self.probs is not None else self._logits(b, node)
         return rows.argmax(-1)
 
 
