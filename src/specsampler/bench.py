@@ -198,8 +198,9 @@ def sampling_cases(device: torch.device, g: torch.Generator, quick: bool) -> lis
 
 def tree_case(device: torch.device, g: torch.Generator, quick: bool) -> Case:
     """Target-only tree verification from logits with top-p 0.9 (B=16, N=64, V=32000): a spine
-    of 12 nodes whose tokens dominate their parents' rows (long accepted paths), 51 leaves."""
-    B, N, V, depth = (4, 64, 32000, 12) if quick else (16, 64, 32000, 12)
+    of 8 nodes (the depth of EAGLE-style trees of 64 nodes) whose tokens dominate their
+    parents' rows, so that whole spines are accepted, and 55 leaves along it."""
+    B, N, V, depth = (4, 64, 32000, 8) if quick else (16, 64, 32000, 8)
     parents = torch.tensor([spine_tree(N, depth)] * B)
     tree = TokenTree.from_parents(parents).to(device)
     logits = torch.randn(B, N, V, generator=g)

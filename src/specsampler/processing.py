@@ -385,6 +385,10 @@ def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
 
 
 def _nucleus_block(rows, x, rp, logits) -> list[Part]:
+    """Top-p rows without top-k, at most :data:`_BLOCK` of them. In turn: a token that alone
+    reaches top-p is the nucleus; a nucleus the subsample estimates small is looked for among
+    the 64 most likely tokens; the others are compacted above an estimated bound (or cut
+    densely when too large)."""
     r, V = x.shape
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
@@ -392,31 +396,39 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     if logits:  # normalised weights, computed in the scratch buffer
         scaled = _SCRATCH.get("scaled", (r, V), torch.float32, x.device)
         torch.softmax(torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled), -1, out=w)
-        w.nan_to_num_(nan=0.0)  # rows without a finite logit have no mass
+        if not bool(torch.isfinite((x if chunk_max is None else chunk_max).amax(-1)).all()):
+            w.nan_to_num_(nan=0.0)  # rows without a finite logit have no mass
     else:
         w.copy_(x).nan_to_num_(nan=0.0, posinf=0.0).clamp_(min=0.0)
     z = w.sum(-1)
     target = rp.top_p * z
     parts = []
     best = _argmax(x, chunk_max)
-    single = w.gather(1, best[:, None])[:, 0] >= target  # a token that alone reaches top-p is the nucleus
-    if bool(single.any()):
-        sub = _rows_where(single)
+    w_max = w.gather(1, best[:, None])
+    done = w_max[:, 0] >= target  # a token that alone reaches top-p is the nucleus
+    if bool(done.any()):
+        sub = _rows_where(done)
         ones = torch.ones(r if sub is None else sub.numel(), 1, device=x.device)
         parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], ones))
         if sub is None:
             return parts
-    vals, head = ordered_prefix(x, SMALL_NUCLEUS, chunk_max)  # the most likely tokens hold small nuclei
-    head_w = w.gather(1, head)
-    found = (head_w.sum(-1) >= target) & ~single
-    if bool(found.any()):
-        sub = _rows_where(found)
-        kept = _cut_candidates(_take(head_w, sub), _take_params(rp, sub), _take(z, sub))
-        parts.append(_part_in_id_order(_within(rows, sub), _take(head, sub), kept))
-    if not bool((found | single).all()):
-        lb, likely = _nucleus_bound(w, target, z, head, head_w)
-        lb = torch.where(found | single, float("inf"), lb)
-        parts += _large_nuclei(rows, w, lb, likely, target, rp, head_w[:, :1])
+    lb, likely, size = _nucleus_bound(w, w_max, target, z, chunk_max)
+    small = (size <= SMALL_NUCLEUS // 2) & ~done
+    if bool(small.any()):  # a small nucleus: among the most likely tokens, found as for top-k
+        sub = _rows_where(small)
+        vals, head = ordered_prefix(_take(x, sub), SMALL_NUCLEUS, _take(chunk_max, sub) if chunk_max is not None
+                                    else None)
+        head_w = _take(w, sub).gather(1, head)
+        found = head_w.sum(-1) >= _take(target, sub)
+        if bool(found.any()):
+            got = _rows_where(found)
+            kept = _cut_candidates(_take(head_w, got), _take_params(_take_params(rp, sub), got),
+                                   _take(_take(z, sub), got))
+            parts.append(_part_in_id_order(_within(rows, _within(sub, got)), _take(head, got), kept))
+            done = done.clone()
+            done[(torch.arange(r, device=x.device) if sub is None else sub)[found]] = True
+    if not bool(done.all()):
+        parts += _large_nuclei(rows, w, torch.where(done, float("inf"), lb), likely, target, rp, w_max)
     return parts
 
 
@@ -434,61 +446,79 @@ def _plain_part(rows, x, rp, logits) -> Part:
     top = x.amax(-1, keepdim=True)
     w = _weights(x, top, rp.temperature, logits)
     if bool((rp.min_p > 0).any()):
-        w.masked_fill_(w < rp.min_p[:, None] * (1.0 if logits else top), 0.0)
+        w.mul_(w >= rp.min_p[:, None] * (1.0 if logits else top))
     return Part(rows, None, _normalise_(w))
 
 
 # ----------------------------------------------------------------------------- large nuclei
 
 
-def _keys(w: Tensor, shift: int) -> Tensor:
-    """Bins of non-negative float32 weights by their bit patterns (monotone in the weight)."""
-    return w.contiguous().view(torch.int32) >> shift
+def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
+    """Bins of non-negative float32 weights by their bit patterns (monotone in the weight),
+    int32; in the named scratch buffer when given."""
+    bits = w.contiguous().view(torch.int32)
+    if scratch is None:
+        return bits >> shift
+    return torch.bitwise_right_shift(bits, shift, out=_SCRATCH.get(scratch, bits.shape, torch.int32, w.device))
 
 
 def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
     """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
     r = keys.shape[0]
-    flat = keys + torch.arange(r, dtype=torch.int32, device=keys.device)[:, None] * num_keys
+    offsets = torch.arange(r, dtype=torch.int32, device=keys.device)[:, None] * num_keys
+    flat = torch.add(keys, offsets, out=_SCRATCH.get("flat keys", keys.shape, torch.int32, keys.device))
     out = torch.zeros(r * num_keys, device=keys.device)
     return out.index_add_(0, flat.reshape(-1), values.reshape(-1)).view(r, num_keys)
 
 
 def _suffix(hist: Tensor) -> Tensor:
     """``[r, n]`` -> sums over the bins >= k, for each k."""
-    return hist.flip(-1).cumsum(-1).flip(-1)
+    return hist.sum(1, keepdim=True) - hist.cumsum(1) + hist
 
 
-def _nucleus_bound(w: Tensor, target: Tensor, z: Tensor, head: Tensor, head_w: Tensor) -> tuple[Tensor, Tensor]:
-    """A weight each row's nucleus very likely lies above (an estimate, checked by the caller),
-    and whether the tokens above it very likely reach the target.
+def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
+                   chunk_max: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Estimates for each row: a weight ``lb`` the nucleus very likely lies above, whether the
+    tokens above it very likely reach the target, and the nucleus size.
 
-    From a strided subsample: the mass above each bin edge (8 bins per octave of weight) is
-    the exact mass of the ``head`` tokens above it plus the rest's, estimated from the
-    subsample scaled to the rest's exact total; it gives an estimated nucleus size n. The
-    bound is the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most
-    V/16), so that compaction stays cheap while keeping a wide margin for the estimate's error.
+    The mass above each bin edge (8 bins per octave of weight) is counted exactly over the
+    chunks with the largest maxima (which hold the most likely tokens), and estimated over
+    the rest from a strided subsample scaled to their exact mass (a ratio estimator); where
+    it reaches the target is the estimated nucleus edge, with n tokens above. The bound is
+    the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most V/16),
+    so that compaction stays cheap while keeping a wide margin for the estimate's error.
 
-    w: float32 ``[r, V]``; target, z: ``[r]``, the mass to reach and the row's mass;
-    head: int64 ``[r, h]`` token ids, head_w: their weights.
+    w: float32 ``[r, V]``; w_max: ``[r, 1]``, its row maxima; target, z: ``[r]``, the mass to
+    reach and the row's mass; chunk_max: ``[r, V / L]``, the chunk maxima of the logits, or None.
+    Returns lb float32 ``[r]``, likely bool ``[r]``, n float32 ``[r]``.
     """
     r, V = w.shape
-    stride = max(1, V // _SUBSAMPLE)
-    sub = w[:, ::stride].clone(memory_format=torch.contiguous_format)  # a copy, modified below
-    b, j = (head % stride == 0).nonzero(as_tuple=True)
-    sub[b, head[b, j] // stride] = 0.0  # the head is counted exactly, not through the subsample
-    keys, head_keys = _keys(sub, _EST_SHIFT), _keys(head_w, _EST_SHIFT)
-    count = _suffix(_histogram(keys, (sub > 0).float(), _EST_KEYS)) * (V / sub.shape[1])
-    count += _suffix(_histogram(head_keys, torch.ones_like(head_w), _EST_KEYS))
-    scale = (z - head_w.sum(-1)).clamp(min=0.0) / sub.sum(-1).clamp(min=_TINY)
-    mass = _suffix(_histogram(keys, sub, _EST_KEYS)) * scale[:, None]
-    mass += _suffix(_histogram(head_keys, head_w, _EST_KEYS))
-    crossing = ((mass >= target[:, None]).sum(-1) - 1).clamp(min=0)  # the estimated nucleus edge
-    room = (2 * count.gather(1, crossing[:, None]) + 128).clamp(max=V // 16)  # candidates to allow
-    k = (count > room).sum(-1)  # the lowest bin with at most that many tokens above
-    k = torch.minimum(k, head_keys[:, 0].long())  # not above the most likely token
+    head = torch.zeros(r, 0, device=w.device)
+    if chunk_max is not None and chunk_max.shape[1] > 4 * (SMALL_NUCLEUS + 1):
+        # whole chunks: the head's and every stride-th one (contiguous reads), the head counted once
+        n = chunk_max.shape[1]
+        chunks = w.view(r, n, -1)
+        picked = torch.topk(chunk_max, SMALL_NUCLEUS + 1, dim=-1).indices
+        head = chunks.gather(1, picked[:, :, None].expand(-1, -1, chunks.shape[2])).reshape(r, -1)
+        stride = max(1, n * chunks.shape[2] // _SUBSAMPLE)
+        outside = torch.ones(r, n, device=w.device).scatter_(1, picked, 0.0)[:, ::stride, None]
+        sub = (chunks[:, ::stride] * outside).reshape(r, -1)
+    else:
+        sub = w[:, :: max(1, V // _SUBSAMPLE)].contiguous()
+    # mass and count above each bin edge, of the subsample (scaled to what it stands for) and the head
+    keys, head_keys = _keys(sub, _EST_SHIFT), _keys(head, _EST_SHIFT)
+    mass, count = _suffix(_histogram(keys, sub, _EST_KEYS)), _suffix(_histogram(keys, (sub > 0).float(), _EST_KEYS))
+    mass *= ((z - head.sum(-1)).clamp(min=0) / mass[:, 0].clamp(min=_TINY))[:, None]
+    count *= ((V - head.shape[1]) / count[:, 0].clamp(min=1))[:, None]
+    mass += _suffix(_histogram(head_keys, head, _EST_KEYS))
+    count += _suffix(_histogram(head_keys, torch.ones_like(head), _EST_KEYS))
+    edge = ((mass >= target[:, None]).sum(-1) - 1).clamp(min=0)  # the estimated nucleus edge
+    size = count.gather(1, edge[:, None])[:, 0]
+    room = (2 * size + 128).clamp(max=V // 16)  # candidates to allow
+    k = (count > room[:, None]).sum(-1).clamp(max=_EST_KEYS - 1)  # the lowest bin with at most that many above
+    k = torch.minimum(k, _keys(w_max, _EST_SHIFT)[:, 0].long())  # not above the most likely token
     lb = torch.where(k > 0, (k.to(torch.int32) << _EST_SHIFT).view(torch.float32), 0.0)
-    return lb, mass.gather(1, k[:, None])[:, 0] >= target
+    return lb, mass.gather(1, k[:, None])[:, 0] >= target, size
 
 
 def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, rp: RowParams, w_max) -> list[Part]:
@@ -545,7 +575,7 @@ def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | No
     """min-p (threshold ``min_p * w_max``, with ``w_max`` ``[r, 1]`` taken at ``rows``) and
     renormalisation, in place."""
     if bool((rp.min_p > 0).any()):
-        w.masked_fill_(w < rp.min_p[:, None] * _take(w_max, rows), 0.0)
+        w.mul_(w >= rp.min_p[:, None] * _take(w_max, rows))
     return _normalise_(w)
 
 
@@ -573,10 +603,11 @@ def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
     r, C = w.shape
     above = torch.zeros(r, device=w.device)  # mass of the tokens known to be kept
     # first digit on the whole matrix; then only the crossing bucket's tokens, compacted
-    digit = _keys(w, _RADIX_SHIFTS[0])
-    crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target)
-    w.masked_fill_(digit < crossing[:, None], 0.0)
-    b, col = (digit == crossing[:, None]).nonzero(as_tuple=True)
+    digit = _keys(w, _RADIX_SHIFTS[0], "digits")
+    crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
+    keep = _SCRATCH.get("keep", digit.shape, torch.float32, w.device)
+    w.mul_(torch.ge(digit, crossing, out=keep))  # drop the buckets below (a float mask: no masked_fill_, no cast)
+    b, col = _nonzero_2d(torch.eq(digit, crossing, out=_SCRATCH.get("flags", digit.shape, torch.bool, w.device)))
     for shift in _RADIX_SHIFTS[1:]:
         if b.numel() <= r * _RADIX_SORT:
             break
