@@ -1,0 +1,38 @@
+import json
+
+from specsampler.bench import every_node_tree_verify, materialising_chain_verify, run, sort_sampler, spine_tree
+
+
+def test_bench_writes_records_with_the_documented_fields(tmp_path):
+    out = tmp_path / "bench.json"
+    records = run("cpu", reps=1, quick=True, out=str(out))
+    assert json.loads(out.read_text()) == records
+    assert [r["op"] for r in records] == ["chain_verify", "sample_from_logits", "sample_from_logits",
+                                          "tree_verify_from_logits"]
+    for r in records:
+        for key in ("device", "dtype", "shape", "median_us", "bytes_read", "gbps", "floor_ratio", "baselines", "met"):
+            assert key in r, key
+        assert r["median_us"] > 0 and r["floor_ratio"] > 0 and all(v > 0 for v in r["baselines"].values())
+
+
+def test_baselines_compute_what_they_stand_for():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    tokens = sort_sampler(logits, 1.0, 1, 0.9, g)  # top-k 1: the argmax
+    assert torch.equal(tokens, logits.argmax(-1))
+    p = torch.zeros(2, 3, 6)
+    p[..., 0] = 0.9
+    p[..., 1:] = 0.02
+    q = p[:, :2].flip(-1)  # the drafts (token 0) are likely under p, not under q: always accepted
+    y, n = materialising_chain_verify(p, torch.zeros(2, 2, dtype=torch.long), q, g)
+    assert (n == 2).all() and ((y >= 0) & (y < 6)).all()
+    parents = torch.tensor([spine_tree(8, 3)])
+    assert parents[0, :4].tolist() == [-1, 0, 1, 2]
+    logits = torch.full((1, 8, 5), -10.0)
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 4, 4, 4]])
+    for node in range(3):
+        logits[0, node, node + 1] = 10.0  # the spine token of each node dominates
+    n = every_node_tree_verify(logits, tokens, parents, 1.0, 0.9, g)
+    assert n.tolist() == [3]
