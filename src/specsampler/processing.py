@@ -86,6 +86,8 @@ class Part:
         return out.scatter_add_(1, self.ids, self.probs)
 
     def sample(self, u: Tensor) -> Tensor:
+        if self.ids is not None and self.ids.shape[1] == 1:  # one candidate: it is the draw
+            return self.ids[:, 0]
         idx = sample_by_inversion(self.probs, u)
         return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
 
@@ -286,6 +288,8 @@ def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) 
     topk_on = (rp.top_k > 0) & (rp.top_k < V) & ~greedy
     bounded = greedy | topk_on  # at most k candidates
     nucleus = (rp.top_p < 1) & ~bounded  # top-p alone: the nucleus size is found per row
+    if R and bool(nucleus.all()):  # the common case of a batch with one kind of parameters
+        return Processed(tuple(_nucleus_parts(None, x, rp, logits)), R, V)
     plain = ~(bounded | nucleus)  # temperature and min-p only: dense
     parts = []
     if R == 0 or bool(plain.any()):
