@@ -43,6 +43,7 @@ from .sampling import logit_rows
 from .validation import (
     check_device,
     check_logits_values,
+    check_method,
     check_mode,
     check_no_bad,
     check_probs_values,
@@ -103,20 +104,7 @@ def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts,
     check_tensor(op, "draft_tokens", draft_tokens, kind="int", ndim=2)
     check_shape(op, "draft_tokens", draft_tokens, (B, K), f"[B, K] (K+1 = {K1} rows of {target_name})")
     check_device(op, "draft_tokens", draft_tokens, dev)
-    if method not in (*METHODS, "auto"):
-        fail(op, "method", f"one of {('auto', *METHODS)}", repr(method))
-    if method == "auto":
-        method = "token" if draft_probs is not None else "target_only"
-    if method in ("token", "block") and draft_probs is None:
-        fail(op, "draft_probs", f"a tensor [B, K, V] for method {method!r}", "None")
-    if method == "target_only" and draft_probs is not None:
-        fail(op, "draft_probs", "None for method 'target_only' (drafts chosen deterministically)", "a tensor")
-    q = None
-    if draft_probs is not None:
-        check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=3)
-        check_shape(op, "draft_probs", draft_probs, (B, K, V), "[B, K, V]")
-        check_device(op, "draft_probs", draft_probs, dev)
-        q = draft_probs.float()
+    method, q = check_method(op, method, METHODS, ("token", "block"), draft_probs, (B, K, V), "[B, K, V]", dev)
     if num_drafts is None:
         n = torch.full((B,), K, dtype=torch.int64, device=dev)
     else:

@@ -47,6 +47,7 @@ from .tree import TokenTree
 from .validation import (
     check_device,
     check_logits_values,
+    check_method,
     check_mode,
     check_probs_values,
     check_shape,
@@ -150,22 +151,9 @@ def _check_tree(op, target, target_name, draft_tokens, tree, draft_probs, method
     check_tensor(op, "draft_tokens", draft_tokens, kind="int", ndim=2)
     check_shape(op, "draft_tokens", draft_tokens, (B, N), "[B, N]")
     check_device(op, "draft_tokens", draft_tokens, dev)
-    if method not in (*METHODS, "auto"):
-        fail(op, "method", f"one of {('auto', *METHODS)}", repr(method))
-    if method == "auto":
-        method = "rrs" if draft_probs is not None else "target_only"
+    method, q = check_method(op, method, METHODS, ("rrs", "traversal"), draft_probs, (B, N, V), "[B, N, V]", dev)
     if draft_sampling not in DRAFT_SAMPLING:
         fail(op, "draft_sampling", f"one of {DRAFT_SAMPLING}", repr(draft_sampling))
-    if method in ("rrs", "traversal") and draft_probs is None:
-        fail(op, "draft_probs", f"a tensor [B, N, V] for method {method!r}", "None")
-    if method == "target_only" and draft_probs is not None:
-        fail(op, "draft_probs", "None for method 'target_only' (children chosen deterministically)", "a tensor")
-    q = None
-    if draft_probs is not None:
-        check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=3)
-        check_shape(op, "draft_probs", draft_probs, (B, N, V), "[B, N, V]")
-        check_device(op, "draft_probs", draft_probs, dev)
-        q = draft_probs.float()
     x_raw = draft_tokens.long()
     child = tree.depth > 0
     if full:  # rows of absent nodes (and the root's draft row) are padding: not checked
@@ -198,15 +186,21 @@ def _first_child_with(c: _Tree, b: Tensor, v: Tensor, y: Tensor) -> Tensor:
     return torch.where(match.any(1), rank.argmin(1), -1)
 
 
+def _walk_start(c: _Tree) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A walk from the root: the path ``[B, D+2]`` (root, then -1; the extra column because
+    nobody moves past depth D), accepted counts, emitted tokens, and the walking requests."""
+    B, dev = c.B, c.x.device
+    path = torch.full((B, c.tree.max_depth + 2), -1, dtype=torch.int64, device=dev)
+    path[:, 0] = 0
+    zeros = lambda: torch.zeros(B, dtype=torch.int64, device=dev)
+    return path, zeros(), zeros(), torch.arange(B, device=dev)
+
+
 def _walk_draws(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
     """greedy / target_only: draw at the current node, move to the child carrying the draw."""
     B, D, dev = c.B, c.tree.max_depth, c.x.device
     u = None if c.method == "greedy" else uniform(rng, op, B, c.N, STREAM_SAMPLE, dev)
-    path = torch.full((B, D + 2), -1, dtype=torch.int64, device=dev)  # + 1 column: nobody moves past depth D
-    path[:, 0] = 0
-    n = torch.zeros(B, dtype=torch.int64, device=dev)
-    y_out = torch.zeros(B, dtype=torch.int64, device=dev)
-    walking = torch.arange(B, device=dev)
+    path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
         v = path[walking, d]
         y = rows.argmax(walking, v) if u is None else rows.at(walking, v).sample(u[walking, v])
@@ -226,11 +220,7 @@ def _walk_rrs(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Tens
     B, D, dev, t = c.B, c.tree.max_depth, c.x.device, c.tree
     u_accept = uniform(rng, op, B, c.N, STREAM_ACCEPT, dev)
     u_draw = uniform(rng, op, B, c.N, STREAM_SAMPLE, dev)
-    path = torch.full((B, D + 2), -1, dtype=torch.int64, device=dev)  # + 1 column: nobody moves past depth D
-    path[:, 0] = 0
-    n = torch.zeros(B, dtype=torch.int64, device=dev)
-    y_out = torch.zeros(B, dtype=torch.int64, device=dev)
-    walking = torch.arange(B, device=dev)
+    path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
         v = path[walking, d]
         r = rows.at(walking, v).dense()  # owned: updated in place below

@@ -124,3 +124,25 @@ def check_token_values(op: str, name: str, tokens: Tensor, vocab_size: int, allo
     bad = (tokens < lo) | (tokens >= vocab_size)
     want = f"token ids in [0, {vocab_size})" + (" or -1" if allow_pad else "")
     check_no_bad(op, name, bad, tokens, want)
+
+
+def check_method(op: str, method: str, methods: tuple[str, ...], sampled: tuple[str, ...], draft_probs: object,
+                 shape: tuple[int, ...], dims: str, device) -> tuple[str, Tensor | None]:
+    """Resolve ``method`` (``"auto"``: the first of ``sampled`` with draft_probs, else
+    ``"target_only"``) and check ``draft_probs`` against it: required (``shape``, float, on
+    ``device``) by the ``sampled`` methods, None for ``target_only``. Returns the method and
+    the draft probabilities as float32 (or None)."""
+    if method not in (*methods, "auto"):
+        fail(op, "method", f"one of {('auto', *methods)}", repr(method))
+    if method == "auto":
+        method = sampled[0] if draft_probs is not None else "target_only"
+    if method in sampled and draft_probs is None:
+        fail(op, "draft_probs", f"a tensor {dims} for method {method!r}", "None")
+    if method == "target_only" and draft_probs is not None:
+        fail(op, "draft_probs", "None for method 'target_only' (drafts chosen deterministically)", "a tensor")
+    if draft_probs is None:
+        return method, None
+    check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=len(shape))
+    check_shape(op, "draft_probs", draft_probs, shape, dims)
+    check_device(op, "draft_probs", draft_probs, device)
+    return method, draft_probs.float()
