@@ -11,11 +11,12 @@ vocabulary:
 
 - top-k: the k largest logits, found among the chunks of the row with the largest maxima
   (a pass computing chunk maxima, then a top-k over a few chunks);
-- top-p alone: a nucleus within the 64 most likely tokens is found as for top-k; a larger
-  one is found exactly without a sort: a strided subsample estimates a weight ``lb`` that
-  the nucleus lies above, the tokens above ``lb`` are compacted (their mass proves the
-  nucleus is among them, else ``lb`` is lowered), and a radix select on the float bit
-  patterns of those candidates finds the cut.
+- top-p alone: a token that alone reaches p is the nucleus; otherwise the chunks with the
+  largest maxima (counted exactly) and a subsample of the other chunks estimate the nucleus
+  size and a weight ``lb`` it lies above with a wide margin. A small nucleus is then found
+  among the 64 most likely tokens as for top-k; a larger one is compacted above ``lb``
+  (the candidates' mass proves the nucleus is among them, else the row is cut densely)
+  and cut exactly by a radix select on the float bit patterns.
 
 Categorical draws use one uniform per row: the token is the first id, in id order, whose
 cumulative probability exceeds ``u * total`` (see :mod:`specsampler.rng`).
@@ -40,7 +41,6 @@ _RADIX_SORT = 64  # pending tokens per row (on average) few enough to sort
 _SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from
 _EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight
 _EST_KEYS = 1 << 11
-_EST_MARGIN = 8  # bins (one octave) the bound is set below the estimated crossing
 _TINY = torch.finfo(torch.float32).tiny
 _INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 
