@@ -397,14 +397,17 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
     w = _SCRATCH.get("weights", (r, V), torch.float32, x.device)
-    if logits:  # normalised weights, computed in the scratch buffer
+    if logits:  # normalised weights, computed in the scratch buffer: each row's mass is 1
         scaled = _SCRATCH.get("scaled", (r, V), torch.float32, x.device)
         torch.softmax(torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled), -1, out=w)
-        if not bool(torch.isfinite((x if chunk_max is None else chunk_max).amax(-1)).all()):
+        z = torch.ones(r, device=x.device)
+        finite = torch.isfinite((x if chunk_max is None else chunk_max).amax(-1))
+        if not bool(finite.all()):
             w.nan_to_num_(nan=0.0)  # rows without a finite logit have no mass
+            z = finite.float()
     else:
         w.copy_(x).nan_to_num_(nan=0.0, posinf=0.0).clamp_(min=0.0)
-    z = w.sum(-1)
+        z = w.sum(-1)
     target = rp.top_p * z
     parts = []
     best = _argmax(x, chunk_max)
