@@ -298,6 +298,7 @@ def _walk_traversal(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor
     n = torch.zeros(B, dtype=torch.int64, device=dev)
     y_out = torch.zeros(B, dtype=torch.int64, device=dev)
     walking = everyone
+    pos = torch.arange(D + 1, device=dev)
     for _ in range(N + 1):
         if walking.numel() == 0:
             break
@@ -306,7 +307,6 @@ def _walk_traversal(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor
         accept = (j == 0) | (eta[walking, leaf] < a[walking, j])
         done = walking[accept]
         jd = top[done]
-        pos = torch.arange(D + 1, device=dev)
         path[done] = torch.where(pos <= jd[:, None], stack[done], -1)
         n[done] = jd
         y_out[done] = sample_by_inversion(mb[done, jd], u_draw[done, stack[done, jd]])
@@ -437,8 +437,11 @@ def verify_tree_from_logits(
     path, n, y = _WALKS[c.method](c, rows, rng, op)
     expected = n.float() if c.method == "greedy" else None
     if expected_accepted and c.method == "target_only":
+        pb, pv = (tree.first_child >= 0).nonzero(as_tuple=True)  # each node with children, processed once
+        slot = torch.full((c.B, c.N), -1, dtype=torch.int64, device=c.x.device)
+        slot[pb, pv] = torch.arange(pb.numel(), device=c.x.device)
         b, node = (tree.depth > 0).nonzero(as_tuple=True)
         p_edge = torch.zeros(c.B, c.N, device=c.x.device)
-        p_edge[b, node] = rows.at(b, tree.parents[b, node]).prob(c.x[b, node])
+        p_edge[b, node] = rows.at(pb, pv).select(slot[b, tree.parents[b, node]]).prob(c.x[b, node])
         expected = _expected_target_only(c, p_edge)
     return _finish(c, path, n, y, expected)
