@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .validation import check_device, check_no_bad, check_shape, check_tensor, fail, values_checkable
+from .validation import check_device, check_mode, check_no_bad, check_shape, check_tensor, fail, values_checkable
 
 Cache = Tensor | Sequence
 
@@ -39,9 +39,11 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
         num_accepted: integer ``[B]`` (``TreeResult.num_accepted``).
         seq_dim: the sequence dimension of every cache tensor (2 for ``[B, H, S, D]``, 1 for
             ``[B, S, H, D]``).
+        validate: ``"structure"`` or ``"full"`` (positions inside the cache are then checked
+            on every device, not only on the CPU).
     """
     op = "compact_kv"
-    full = validate == "full"
+    full = check_mode(op, validate)
     tensors = _tensors(op, cache)
     check_tensor(op, "path", path, kind="int", ndim=2)
     B, J = path.shape
