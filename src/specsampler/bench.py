@@ -118,7 +118,7 @@ def materialising_chain_verify(p: Tensor, x: Tensor, q: Tensor, generator: torch
     residual = (p[:, :K] - q).clamp(min=0)
     residual = residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)
     px, qx = p[:, :K].gather(2, x[..., None])[..., 0], q.gather(2, x[..., None])[..., 0]
-    accept = torch.rand(B, K, generator=generator) * qx < px
+    accept = torch.rand(B, K, generator=generator, device=p.device) * qx < px
     n = accept.long().cumprod(1).sum(1)
     corrections = torch.multinomial(residual.reshape(-1, p.shape[-1]), 1, generator=generator).view(B, K)
     bonus = torch.multinomial(p[:, K], 1, generator=generator)[:, 0]
@@ -134,9 +134,9 @@ def every_node_tree_verify(logits: Tensor, tokens: Tensor, parents: Tensor, temp
     sorted_probs, order = probs.sort(-1, descending=True)
     sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= top_p] = 0.0
     draws = order.gather(2, torch.multinomial(sorted_probs.view(-1, V), 1, generator=generator).view(B, N, 1))[..., 0]
-    cur = torch.zeros(B, dtype=torch.long)
-    n = torch.zeros(B, dtype=torch.long)
-    walking = torch.ones(B, dtype=torch.bool)
+    cur = torch.zeros(B, dtype=torch.long, device=logits.device)
+    n = torch.zeros_like(cur)
+    walking = torch.ones(B, dtype=torch.bool, device=logits.device)
     for _ in range(N):
         y = draws.gather(1, cur[:, None])[:, 0]
         match = (parents == cur[:, None]) & (tokens == y[:, None])
@@ -161,8 +161,9 @@ def spine_tree(N: int, depth: int) -> list[int]:
     return parents
 
 
-def chain_case(device: torch.device, g: torch.Generator) -> Case:
-    """Chain token verification from probabilities (B=32, K=4, V=32000)."""
+def chain_case(device: torch.device, g: torch.Generator, gd: torch.Generator) -> Case:
+    """Chain token verification from probabilities (B=32, K=4, V=32000). g: a CPU generator
+    for the inputs; gd: one on ``device`` for the baselines."""
     B, K, V = 32, 4, 32000
     p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 2, -1).to(device)
     q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1).to(device)
@@ -171,12 +172,12 @@ def chain_case(device: torch.device, g: torch.Generator) -> Case:
     return Case(
         "chain_verify", {"B": B, "K": K, "V": V, "method": "token"}, [p, x, q],
         lambda: verify_chain(p, x, q, method="token", rng=rng),
-        {"materialising": lambda: materialising_chain_verify(p, x, q, g)},
+        {"materialising": lambda: materialising_chain_verify(p, x, q, gd)},
         {"min_speedup": {"materialising": 10}, "max_floor_ratio": 3},
     )
 
 
-def sampling_cases(device: torch.device, g: torch.Generator, quick: bool) -> list[Case]:
+def sampling_cases(device: torch.device, g: torch.Generator, gd: torch.Generator, quick: bool) -> list[Case]:
     """Sampling from logits (B=64, V=128256): top-k with top-p, and top-p alone (a nucleus of
     thousands of tokens: logits ~ N(0, 3^2) at temperature 0.8)."""
     B, V = (16, 128256) if quick else (64, 128256)
@@ -187,16 +188,16 @@ def sampling_cases(device: torch.device, g: torch.Generator, quick: bool) -> lis
     return [
         Case("sample_from_logits", {"B": B, "V": V, "temperature": 0.8, "top_k": 50, "top_p": 0.9}, [logits],
              lambda: sample_from_logits(logits, both, rng),
-             {"sort_based": lambda: sort_sampler(logits, 0.8, 50, 0.9, g)},
+             {"sort_based": lambda: sort_sampler(logits, 0.8, 50, 0.9, gd)},
              {"min_speedup": {"sort_based": 50}, "max_floor_ratio": 10}),
         Case("sample_from_logits", {"B": B, "V": V, "temperature": 0.8, "top_p": 0.9, "nucleus": "thousands"},
              [logits], lambda: sample_from_logits(logits, nucleus, rng),
-             {"sort_based": lambda: sort_sampler(logits, 0.8, 0, 0.9, g)},
+             {"sort_based": lambda: sort_sampler(logits, 0.8, 0, 0.9, gd)},
              {"min_speedup": {"sort_based": 20}, "max_floor_ratio": 40}),
     ]
 
 
-def tree_case(device: torch.device, g: torch.Generator, quick: bool) -> Case:
+def tree_case(device: torch.device, g: torch.Generator, gd: torch.Generator, quick: bool) -> Case:
     """Target-only tree verification from logits with top-p 0.9 (B=16, N=64, V=32000): a spine
     of 8 nodes (the depth of EAGLE-style trees of 64 nodes) whose tokens dominate their
     parents' rows, so that whole spines are accepted, and 55 leaves along it."""
@@ -214,14 +215,15 @@ def tree_case(device: torch.device, g: torch.Generator, quick: bool) -> Case:
         "tree_verify_from_logits", {"B": B, "N": N, "V": V, "method": "target_only", "top_p": 0.9, "depth": depth},
         [logits],
         lambda: verify_tree_from_logits(logits, tokens, tree, params, method="target_only", rng=rng),
-        {"every_node": lambda: every_node_tree_verify(logits, tokens, parents, 1.0, 0.9, g)},
+        {"every_node": lambda: every_node_tree_verify(logits, tokens, parents, 1.0, 0.9, gd)},
         {"min_speedup": {"every_node": 20}, "max_floor_ratio": 4},
     )
 
 
 def cases(device: torch.device, quick: bool = False) -> list[Case]:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    return [chain_case(device, g), *sampling_cases(device, g, quick), tree_case(device, g, quick)]
+    g = torch.Generator(device="cpu").manual_seed(0)  # inputs: the same on every device
+    gd = torch.Generator(device=device).manual_seed(1)  # the baselines' own draws, where their data is
+    return [chain_case(device, g, gd), *sampling_cases(device, g, gd, quick), tree_case(device, g, gd, quick)]
 
 
 def run(device: str = "cpu", reps: int = 15, quick: bool = False, out: str | None = None,
