@@ -61,7 +61,7 @@ class _Scratch(threading.local):
         return buf[:numel].view(shape)
 
 
-_SCRATCH = _Scratch()
+SCRATCH = _Scratch()
 
 
 @dataclass(frozen=True)
@@ -396,9 +396,9 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     r, V = x.shape
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
-    w = _SCRATCH.get("weights", (r, V), torch.float32, x.device)
+    w = SCRATCH.get("weights", (r, V), torch.float32, x.device)
     if logits:  # normalised weights, computed in the scratch buffer: each row's mass is 1
-        scaled = _SCRATCH.get("scaled", (r, V), torch.float32, x.device)
+        scaled = SCRATCH.get("scaled", (r, V), torch.float32, x.device)
         torch.softmax(torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled), -1, out=w)
         z = torch.ones(r, device=x.device)
         finite = torch.isfinite((x if chunk_max is None else chunk_max).amax(-1))
@@ -466,14 +466,14 @@ def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
     bits = w.contiguous().view(torch.int32)
     if scratch is None:
         return bits >> shift
-    return torch.bitwise_right_shift(bits, shift, out=_SCRATCH.get(scratch, bits.shape, torch.int32, w.device))
+    return torch.bitwise_right_shift(bits, shift, out=SCRATCH.get(scratch, bits.shape, torch.int32, w.device))
 
 
 def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
     """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
     r = keys.shape[0]
     offsets = torch.arange(r, dtype=torch.int32, device=keys.device)[:, None] * num_keys
-    flat = torch.add(keys, offsets, out=_SCRATCH.get("flat keys", keys.shape, torch.int32, keys.device))
+    flat = torch.add(keys, offsets, out=SCRATCH.get("flat keys", keys.shape, torch.int32, keys.device))
     out = torch.zeros(r * num_keys, device=keys.device)
     return out.index_add_(0, flat.reshape(-1), values.reshape(-1)).view(r, num_keys)
 
@@ -539,13 +539,12 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
     """
     r, V = w.shape
-    compact = likely
-    above = _SCRATCH.get("above", (r, V), torch.bool, w.device)
-    torch.ge(w, torch.where(compact, lb, float("inf"))[:, None], out=above)
-    b, cols = _nonzero_2d(above)
-    vals = w.view(-1).index_select(0, b * V + cols)
-    reached = torch.zeros(r, device=w.device).index_add_(0, b, vals) >= target
-    compact &= reached  # rows short of the target, and rows not in the search (lb = inf), drop out
+    compact = likely & (lb != float("inf"))
+    if bool(compact.any()):
+        above = SCRATCH.get("above", (r, V), torch.bool, w.device)
+        b, cols = _nonzero_2d(torch.ge(w, torch.where(compact, lb, float("inf"))[:, None], out=above))
+        vals = w.view(-1).index_select(0, b * V + cols)
+        compact &= torch.zeros(r, device=w.device).index_add_(0, b, vals) >= target  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     parts = []
     if bool(compact.any()):
@@ -568,14 +567,17 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
 
 
 def _nonzero_2d(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``mask.nonzero(as_tuple=True)`` for a sparse contiguous bool ``[r, V]``, faster: the
-    mask is scanned 8 bytes at a time, then only the words holding a True are expanded."""
-    if mask.shape[1] % 8 or not mask.is_contiguous():
+    """``mask.nonzero(as_tuple=True)`` for a sparse contiguous ``[r, V]`` mask (bool, or float32
+    0/1), faster: the mask is scanned 8 bytes at a time, then only the words holding a nonzero
+    entry are expanded."""
+    per_word = 8 // mask.element_size()
+    if mask.shape[1] % per_word or not mask.is_contiguous():
         return mask.nonzero(as_tuple=True)
     words = mask.view(torch.int64)
     rows, word = words.nonzero(as_tuple=True)
-    k, byte = words[rows, word].view(torch.uint8).view(-1, 8).nonzero(as_tuple=True)
-    return rows[k], word[k] * 8 + byte
+    as_int = torch.uint8 if per_word == 8 else torch.int32
+    k, pos = words[rows, word].view(as_int).view(-1, per_word).nonzero(as_tuple=True)
+    return rows[k], word[k] * per_word + pos
 
 
 def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
@@ -612,9 +614,9 @@ def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
     # first digit on the whole matrix; then only the crossing bucket's tokens, compacted
     digit = _keys(w, _RADIX_SHIFTS[0], "digits")
     crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
-    keep = _SCRATCH.get("keep", digit.shape, torch.float32, w.device)
+    keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
     w.mul_(torch.ge(digit, crossing, out=keep))  # drop the buckets below (a float mask: no masked_fill_, no cast)
-    b, col = _nonzero_2d(torch.eq(digit, crossing, out=_SCRATCH.get("flags", digit.shape, torch.bool, w.device)))
+    b, col = _nonzero_2d(torch.eq(digit, crossing, out=keep))
     for shift in _RADIX_SHIFTS[1:]:
         if b.numel() <= r * _RADIX_SORT:
             break

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .params import RowParams, SamplingParams
-from .processing import Processed, process, sample_by_inversion
+from .processing import SCRATCH, Processed, process, sample_by_inversion
 from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, uniform
 from .sampling import logit_inputs
 from .tree import TokenTree
@@ -119,7 +119,10 @@ class _Rows:
         return t.reshape(B * N, V).index_select(0, b * N + node)
 
     def _logits(self, b: Tensor, node: Tensor) -> Tensor:
-        x = self._rows(self.logits, b, node).float()
+        """The logit rows, gathered into a scratch buffer (processing never keeps its input)."""
+        B, N, V = self.logits.shape
+        out = SCRATCH.get("visited logits", (b.numel(), V), self.logits.dtype, self.logits.device)
+        x = torch.index_select(self.logits.reshape(B * N, V), 0, b * N + node, out=out).float()
         return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
 
     def at(self, b: Tensor, node: Tensor) -> Processed:
