@@ -31,14 +31,17 @@ position where each request stops (block needs ``S_i`` at every position, by its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
+from .kernels import use_triton
 from .params import SamplingParams
 from .processing import Processed, process, sample_by_inversion
-from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, uniform
+from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from .sampling import logit_rows
 from .validation import (
     check_device,
@@ -71,7 +74,12 @@ class ChainResult:
 
     tokens: Tensor
     num_accepted: Tensor
-    expected_accepted: Tensor
+    _expected: Callable[[], Tensor] = field(repr=False, compare=False)
+
+    @cached_property
+    def expected_accepted(self) -> Tensor:
+        """Computed on first access (where the kernels ran, it reads rows they did not need)."""
+        return self._expected().float()
 
     @property
     def num_emitted(self) -> Tensor:
@@ -135,6 +143,49 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(num > 0, torch.where(num >= den, 1.0, num / den), 0.0)
 
 
+def _p_x(c: _Chain, target: Processed) -> Tensor:
+    """float32 ``[B, K]``: the target probability of each draft at its position."""
+    return target.prob(torch.nn.functional.pad(c.x, (0, 1)).view(-1)).view(c.B, c.K + 1)[:, : c.K]
+
+
+def _block_terms(c: _Chain, target: Processed, p_x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Block verification's ``a`` ``[B, K+1]``, dense ``p`` ``[B, K+1, V]``, ``w = max(a p - q, 0)``
+    ``[B, K, V]`` and ``h`` ``[B, K+1]`` (0 past ``num_drafts``, ``a`` at it, ``h_0 = 1``)."""
+    B, K, dev = c.B, c.K, c.x.device
+    q_x = c.q.gather(2, c.x[..., None])[..., 0]
+    a = torch.ones(B, K + 1, device=dev)
+    for i in range(K):
+        a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
+    p = target.dense().view(B, K + 1, c.V)
+    w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
+    s = w.sum(-1)
+    pos = torch.arange(K + 1, device=dev)
+    h = torch.nn.functional.pad(torch.where(s > 0, s / (s + 1 - a[:, :K]), 0.0), (0, 1))
+    h = torch.where(pos == c.num_drafts[:, None], a, torch.where(pos > c.num_drafts[:, None], 0.0, h))
+    h[:, 0] = 1.0
+    return a, p, w, h
+
+
+def _expected(c: _Chain, target: Processed | None, n: Tensor) -> Tensor:
+    """:attr:`ChainResult.expected_accepted` given the drafts (``n``: the accepted counts, for greedy)."""
+    if c.method == "greedy":
+        return n.float()
+    p_x = _p_x(c, target)
+    if c.method == "target_only":
+        return torch.where(c.usable, p_x, 0.0).cumprod(1).sum(1)
+    if c.method == "token":
+        q_x = c.q.gather(2, c.x[..., None])[..., 0]
+        return torch.where(c.usable, _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
+    return _block_expected(_block_terms(c, target, p_x)[3])
+
+
+def _block_expected(h: Tensor) -> Tensor:
+    """Block verification's expected accepted drafts from its ``h`` ``[B, K+1]``: sum of i P(tau = i)."""
+    later = torch.flip(torch.cumprod(torch.flip(1 - h, (1,)), 1), (1,))  # prod_{j >= i} (1 - h_j)
+    p_tau = h * torch.nn.functional.pad(later[:, 1:], (0, 1), value=1.0)
+    return (p_tau * torch.arange(h.shape[1], device=h.device)).sum(1)
+
+
 def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rng, op: str) -> ChainResult:
     """Run method ``c.method`` on the target distributions (rows ``b * (K+1) + i``)."""
     B, K, dev = c.B, c.K, c.x.device
@@ -142,13 +193,12 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
     u_draw = uniform(rng, op, B, K + 1, STREAM_SAMPLE, dev)
     if c.method == "greedy":
         n = _leading_run((greedy_draws[:, :K] == c.x) & c.usable)
-        return _result(c, n, greedy_draws.gather(1, n[:, None])[:, 0], n.float())
-    p_x = target.prob(torch.nn.functional.pad(c.x, (0, 1)).view(-1)).view(B, K + 1)[:, :K]
+        return _result(c, n, greedy_draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, None, n))
+    p_x = _p_x(c, target)
     if c.method == "target_only":
         draws = target.sample(u_draw.view(-1)).view(B, K + 1)
         n = _leading_run((draws[:, :K] == c.x) & c.usable)
-        expected = torch.where(c.usable, p_x, 0.0).cumprod(1).sum(1)
-        return _result(c, n, draws.gather(1, n[:, None])[:, 0], expected)
+        return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, target, n))
     q_x = c.q.gather(2, c.x[..., None])[..., 0]
     if c.method == "token":
         u = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)[:, 1:]  # draft i is node i+1 of the chain
@@ -162,19 +212,11 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
             empty = rejected & ~(stop.sum(-1) > 0)
             if bool(empty.any()):  # a residual without mass: draw from p itself
                 stop[empty] = target.select(stop_rows[empty]).dense()
-        expected = torch.where(c.usable, _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
-        return _result(c, n, sample_by_inversion(stop, u_draw.gather(1, n[:, None])[:, 0]), expected)
+        y = sample_by_inversion(stop, u_draw.gather(1, n[:, None])[:, 0])
+        return _result(c, n, y, lambda: _expected(c, target, n))
     # block
-    a = torch.ones(B, K + 1, device=dev)
-    for i in range(K):
-        a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
-    p = target.dense().view(B, K + 1, c.V)
-    w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
-    s = w.sum(-1)
+    a, p, w, h = _block_terms(c, target, p_x)
     pos = torch.arange(K + 1, device=dev)
-    h = torch.nn.functional.pad(torch.where(s > 0, s / (s + 1 - a[:, :K]), 0.0), (0, 1))
-    h = torch.where(pos == c.num_drafts[:, None], a, torch.where(pos > c.num_drafts[:, None], 0.0, h))
-    h[:, 0] = 1.0
     eta = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)
     take = (eta < h) | (pos == 0)
     tau = torch.where(take, pos, 0).amax(1)
@@ -183,17 +225,31 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
     if K:
         residual = w[batch, tau.clamp(max=K - 1)]
         stop = torch.where((tau < c.num_drafts)[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, bonus)
-    later = torch.flip(torch.cumprod(torch.flip(1 - h, (1,)), 1), (1,))  # prod_{j >= i} (1 - h_j)
-    p_tau = h * torch.nn.functional.pad(later[:, 1:], (0, 1), value=1.0)
-    expected = (p_tau * pos).sum(1)
-    return _result(c, tau, sample_by_inversion(stop, u_draw.gather(1, tau[:, None])[:, 0]), expected)
+    y = sample_by_inversion(stop, u_draw.gather(1, tau[:, None])[:, 0])
+    return _result(c, tau, y, lambda: _block_expected(h))
 
 
-def _result(c: _Chain, n: Tensor, y: Tensor, expected: Tensor) -> ChainResult:
+def _verify_kernel(c: _Chain, target_probs: Tensor, rng, op: str) -> ChainResult:
+    """:func:`verify_chain` by its Triton kernel (the same draws as :func:`_verify`)."""
+    from .kernels import ops
+
+    streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
+    u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
+    tokens, n = ops.verify_chain(target_probs, c.x_raw, c.q, c.num_drafts, c.method, seed, offset, u_accept, u_sample)
+
+    def expected() -> Tensor:
+        rows = target_probs.reshape(-1, c.V).float()
+        return _expected(c, Processed.from_dense(rows), n)
+
+    return ChainResult(tokens, n, expected)
+
+
+def _result(c: _Chain, n: Tensor, y: Tensor, expected: Callable[[], Tensor]) -> ChainResult:
     pos = torch.arange(c.K + 1, device=n.device)
     drafts = torch.nn.functional.pad(c.x_raw, (0, 1), value=-1)
     tokens = torch.where(pos < n[:, None], drafts, torch.where(pos == n[:, None], y[:, None], -1))
-    return ChainResult(tokens, n, expected.float())
+    return ChainResult(tokens, n, expected)
 
 
 def verify_chain(
@@ -227,6 +283,8 @@ def verify_chain(
     full = check_mode(op, validate)
     check_rng(op, rng)
     c = _check_chain(op, target_probs, "target_probs", draft_tokens, draft_probs, num_drafts, method, full, False)
+    if use_triton(target_probs.device):
+        return _verify_kernel(c, target_probs, rng, op)
     rows = target_probs.reshape(-1, c.V).float()
     if c.method == "greedy":
         return _verify(c, None, rows.argmax(-1).view(c.B, c.K + 1), rng, op)

@@ -162,21 +162,26 @@ def chain_inputs(P: Table, Q: Table, K: int, trials: int, sampled: bool, generat
     return p, x, q
 
 
-def chain_monte_carlo(method: str, V: int, K: int, trials: int, seed: int = 0, zeros: bool = False) -> MonteCarlo:
-    """Run ``verify_chain(method)`` on ``trials`` chains of random models and compare with the oracle."""
+def chain_monte_carlo(method: str, V: int, K: int, trials: int, seed: int = 0, zeros: bool = False,
+                      device: str | torch.device = "cpu") -> MonteCarlo:
+    """Run ``verify_chain(method)`` on ``trials`` chains of random models (verified on ``device``:
+    the Triton kernels on a GPU) and compare with the oracle."""
     target, draft_model = random_model(V, seed, zeros), random_model(V, seed + 1000, zeros)
     P, Q = Table(target, V, K + 1), Table(draft_model, V, K)
     sampled = method in SAMPLED_DRAFTS
     gen = torch.Generator().manual_seed(seed)
     p, x, q = chain_inputs(P, Q, K, trials, sampled, gen)
-    res = verify_chain(p, x, q if sampled else None, method=method, rng=Philox(torch.arange(trials) + seed * trials))
+    d = torch.device(device)
+    res = verify_chain(p.to(d), x.to(d), q.to(d) if sampled else None, method=method,
+                       rng=Philox(torch.arange(trials, device=d) + seed * trials))
+    tokens, accepted, meter = res.tokens.cpu(), res.num_accepted.cpu(), res.expected_accepted.cpu()
     exact = oracle.chain(target, draft_model if sampled else argmax_drafter(draft_model), K, method, V)
     joint = oracle.target_joint(target, K + 1)
-    p_emitted, impossible = chi_square(encode(res.tokens, V), encode_dist(exact.sequences, K + 1, V))
-    p_continued, impossible2 = chi_square(encode(continue_with(P, res.tokens, gen), V), encode_dist(joint, K + 1, V))
+    p_emitted, impossible = chi_square(encode(tokens, V), encode_dist(exact.sequences, K + 1, V))
+    p_continued, impossible2 = chi_square(encode(continue_with(P, tokens, gen), V), encode_dist(joint, K + 1, V))
     error = oracle.max_error(oracle.extend(exact.sequences, target, K + 1), joint)
-    return MonteCarlo(p_emitted, p_continued, impossible + impossible2, res.num_accepted.double().numpy(),
-                      res.expected_accepted.double().numpy(), exact, error)
+    return MonteCarlo(p_emitted, p_continued, impossible + impossible2, accepted.double().numpy(),
+                      meter.double().numpy(), exact, error)
 
 
 def shape_parents(shape) -> list[int]:
@@ -230,12 +235,13 @@ def tree_inputs(P: Table, Q: Table, shape, trials: int, draft_sampling: str, gen
 
 
 def tree_monte_carlo(method: str, shape, V: int, trials: int, seed: int = 0, draft_sampling: str = "iid",
-                     zeros: bool = False) -> MonteCarlo:
+                     zeros: bool = False, device: str | torch.device = "cpu") -> MonteCarlo:
     """Run ``verify_tree(method)`` on ``trials`` random draft trees and compare with the oracle.
 
     ``draft_sampling`` ("iid", "without_replacement", "top_k") is how the children are drafted
     and what the rrs/traversal verifier is told. ``zeros`` truncates the target's supports, and
     the draft's unless it drafts without replacement (which needs as many tokens as children).
+    The trees are verified on ``device`` (the Triton kernels on a GPU).
     """
     target = random_model(V, seed, zeros)
     draft_model = random_model(V, seed + 1000, zeros and draft_sampling != "without_replacement")
@@ -244,17 +250,20 @@ def tree_monte_carlo(method: str, shape, V: int, trials: int, seed: int = 0, dra
     gen = torch.Generator().manual_seed(seed)
     p, x, q, tree = tree_inputs(P, Q, shape, trials, draft_sampling, gen)
     sampled = method in ("rrs", "traversal")
-    res = verify_tree(p, x, tree, q if sampled else None, method=method,
+    d = torch.device(device)
+    res = verify_tree(p.to(d), x.to(d), tree.to(d), q.to(d) if sampled else None, method=method,
                       draft_sampling="iid" if draft_sampling == "top_k" else draft_sampling,
-                      rng=Philox(torch.arange(trials) + seed * trials))
+                      rng=Philox(torch.arange(trials, device=d) + seed * trials))
+    tokens, accepted = res.tokens.cpu(), res.num_accepted.cpu()
     exact = oracle.tree(target, draft_model, shape, method, V, draft_sampling=draft_sampling)
-    p_emitted, impossible = chi_square(encode(res.tokens, V), encode_dist(exact.sequences, D + 1, V))
+    p_emitted, impossible = chi_square(encode(tokens, V), encode_dist(exact.sequences, D + 1, V))
     p_continued, error = 1.0, 0.0
     if method != "greedy":
         joint = oracle.target_joint(target, D + 1)
-        full = continue_with(P, res.tokens, gen)
+        full = continue_with(P, tokens, gen)
         p_continued, more = chi_square(encode(full, V), encode_dist(joint, D + 1, V))
         impossible += more
         error = oracle.max_error(oracle.extend(exact.sequences, target, D + 1), joint)
-    meter = None if res.expected_accepted is None or method == "greedy" else res.expected_accepted.double().numpy()
-    return MonteCarlo(p_emitted, p_continued, impossible, res.num_accepted.double().numpy(), meter, exact, error)
+    meter = res.expected_accepted
+    meter = None if meter is None or method == "greedy" else meter.cpu().double().numpy()
+    return MonteCarlo(p_emitted, p_continued, impossible, accepted.double().numpy(), meter, exact, error)

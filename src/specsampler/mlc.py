@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .kernels import use_triton
 from .processing import ordered_prefix
 from .rng import Philox
 from .sampling import min_p_renorm, sample, top_k_renorm, top_p_renorm
@@ -193,6 +194,12 @@ def batch_spec_verify(
         full,
     )
     num_nodes, V = draft_probs.shape
+    if use_triton(model_probs.device):
+        from .kernels import ops
+
+        ops.mlc_batch_spec_verify(draft_probs, draft_tokens, model_probs, token_tree_first_child,
+                                  token_tree_next_sibling, uniform_samples, token_tree_parent_ptr)
+        return
 
     def links(t: Tensor) -> Tensor:
         """int64 copy with every value outside [-1, num_nodes) read as -1."""

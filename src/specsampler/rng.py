@@ -178,3 +178,18 @@ def uniform(rng, op: str, batch: int, count: int, stream: int, device: torch.dev
     if isinstance(rng, torch.Generator):
         return torch.rand((batch, count), generator=rng, device=rng.device).to(device)
     return torch.rand((batch, count), device=device)
+
+
+def kernel_randomness(rng, op: str, batch: int, count: int, streams: tuple[int, ...],
+                      device: torch.device) -> tuple[Tensor | None, Tensor | None, list[Tensor | None]]:
+    """What a kernel needs to draw the numbers its PyTorch reference draws.
+
+    With a :class:`Philox` rng: its keys ``(seed, offset)`` int64 ``[batch]`` (the kernel computes
+    the uniforms at the documented counters) and no uniforms. Otherwise no keys, and the
+    uniforms of each of ``streams`` (float32 ``[batch, count]``), drawn in that order: the
+    order the reference draws them in, so that a ``torch.Generator`` gives both the same numbers.
+    """
+    if isinstance(rng, Philox):
+        seed, offset = rng.keys(op, batch, device)
+        return seed, offset, [None] * len(streams)
+    return None, None, [uniform(rng, op, batch, count, s, device) for s in streams]

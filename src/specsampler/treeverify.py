@@ -39,9 +39,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .kernels import use_triton
 from .params import RowParams, SamplingParams
 from .processing import SCRATCH, Processed, process, sample_by_inversion
-from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, uniform
+from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from .sampling import logit_inputs
 from .tree import TokenTree
 from .validation import (
@@ -351,6 +352,23 @@ def _expected_target_only(c: _Tree, p_edge: Tensor) -> Tensor:
     return torch.where(t.depth > 0, reach, 0.0).sum(1)
 
 
+_STREAMS = {"greedy": (), "target_only": (STREAM_SAMPLE,), "rrs": (STREAM_ACCEPT, STREAM_SAMPLE),
+            "traversal": (STREAM_ACCEPT, STREAM_SAMPLE)}  # the uniforms each walk draws, in its order
+
+
+def _walk_kernel(c: _Tree, target_probs: Tensor, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk of ``c.method`` by its Triton kernel (the same draws as the PyTorch walks)."""
+    from .kernels import ops
+
+    streams = _STREAMS[c.method]
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.N, streams, c.x.device)
+    u_accept = u[0] if STREAM_ACCEPT in streams else None
+    u_sample = u[-1] if STREAM_SAMPLE in streams else None
+    t = c.tree
+    return ops.verify_tree(target_probs, c.x_raw, t.first_child, t.next_sibling, c.q, c.method, c.sampling,
+                           t.max_depth, seed, offset, u_accept, u_sample)
+
+
 _WALKS = {"greedy": _walk_draws, "target_only": _walk_draws, "rrs": _walk_rrs, "traversal": _walk_traversal}
 
 
@@ -389,7 +407,10 @@ def verify_tree(
     check_rng(op, rng)
     c = _check_tree(op, target_probs, "target_probs", draft_tokens, tree, draft_probs, method, draft_sampling,
                     full, False)
-    path, n, y = _WALKS[c.method](c, _Rows(probs=target_probs), rng, op)
+    if use_triton(target_probs.device):
+        path, n, y = _walk_kernel(c, target_probs, rng, op)
+    else:
+        path, n, y = _WALKS[c.method](c, _Rows(probs=target_probs), rng, op)
     expected = None
     if c.method == "greedy":
         expected = n.float()

@@ -1,0 +1,230 @@
+"""GPU benchmarks of the Triton kernels (issue 7): chain and tree verification from logits and
+sampling from logits, against the one-read floor, FlashInfer and plain-PyTorch baselines, in one run.
+
+    python benchmarks/gpu.py --out benchmarks/results/gpu-<device>.json [--quick]
+
+Timing: each variant is captured in a CUDA graph (after a warm-up) and replayed ``--inner``
+times per sample; the median over ``--reps`` samples, per call, is reported. A variant that
+cannot be captured is timed eagerly with CUDA events around ``--inner`` back-to-back calls
+(``"timing": "eager"`` in its record), so host overhead counts there.
+
+floor: one read of the logits at the device's copy rate, measured in the same run as the
+bytes a large device-to-device copy reads and writes over its time; ``floor_ratio`` is the
+op's median over it. Baselines (``baselines`` holds the op's speedup over each, > 1 = faster):
+
+- ``flashinfer_sequential`` (chain, ``token``): FlashInfer's softmax, top_k_renorm_probs,
+  top_p_renorm_probs on every position, then chain_speculative_sampling;
+- ``flashinfer_fused`` (chain, ``target_only``): FlashInfer's top_k_top_p_sampling_from_logits
+  at every position, then a token compare;
+- ``flashinfer`` (sampling): top_k_top_p_sampling_from_logits;
+- ``torch``: the plain-PyTorch baselines of :mod:`specsampler.bench` (sort-based processing
+  of every row, a materialising chain verifier, an every-node tree walk).
+
+Runs without FlashInfer (its baselines are then left out) and, for a smoke test, on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import specsampler as ss
+from specsampler import bench
+from specsampler.kernels import use_triton
+
+try:  # optional: the FlashInfer baselines
+    import flashinfer
+    import flashinfer.sampling as fis
+except Exception:  # noqa: BLE001 - any import failure means: no FlashInfer baselines
+    flashinfer = fis = None
+
+TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
+
+
+def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
+    """Median seconds per call of ``fn``, from CUDA-graph replays (or eager events, or the CPU clock)."""
+    if device.type != "cuda":
+        import time
+
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts), "cpu"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    mode = "graph"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        run = graph.replay
+    except Exception as err:  # noqa: BLE001 - not capturable: time it eagerly
+        print(f"  (not capturable, timed eagerly: {type(err).__name__}: {str(err)[:120]})", file=sys.stderr)
+        torch.cuda.synchronize()
+        mode = "eager"
+
+        def run():
+            for _ in range(inner):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(ts), mode
+
+
+def copy_rate(device: torch.device, reps: int) -> float:
+    """Bytes per second a device-to-device copy of 1 GiB reads and writes (the floor's rate)."""
+    n = (1 << 30) // 4 if device.type == "cuda" else (1 << 26) // 4
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    t, _ = timed(lambda: dst.copy_(src), device, reps, 5)
+    return 2 * n * 4 / t
+
+
+def record(op: str, device: torch.device, shape: dict, logits: torch.Tensor, ours, baselines: dict,
+           rate: float, reps: int, inner: int) -> dict:
+    t, mode = timed(ours, device, reps, inner)
+    floor = logits.numel() * logits.element_size() / rate
+    rec = {"op": op, "device": bench.device_name(device), "dtype": str(logits.dtype).replace("torch.", ""),
+           "shape": shape, "median_us": round(t * 1e6, 2), "floor_us": round(floor * 1e6, 2),
+           "floor_ratio": round(t / floor, 3), "gbps": round(logits.numel() * logits.element_size() / t / 1e9, 1),
+           "timing": mode, "copy_rate_tbps": round(rate / 1e12, 3),
+           "flashinfer": getattr(flashinfer, "__version__", None), "baselines": {}, "baseline_us": {}}
+    for name, fn in baselines.items():
+        try:
+            tb, _ = timed(fn, device, reps, inner)
+        except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+            print(f"  baseline {name} failed: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
+            continue
+        rec["baselines"][name] = round(tb / t, 3)
+        rec["baseline_us"][name] = round(tb * 1e6, 2)
+    shape_s = " ".join(f"{k}={v}" for k, v in shape.items())
+    base_s = ", ".join(f"{k} {v}x" for k, v in rec["baselines"].items())
+    print(f"{op:<26}{shape_s:<52}{t * 1e6:>10.1f}{rec['floor_ratio']:>8.2f}  {base_s}", flush=True)
+    return rec
+
+
+def chain_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
+    grid = [(32, 4, 32000)] if quick else [(B, K, V) for V in (128256, 200064) for K in (4, 8) for B in (1, 32, 128)]
+    return [rec for B, K, V in grid for rec in chain_shape(device, g, gd, rate, reps, inner, B, K, V)]
+
+
+def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
+    """Chain verification from logits at one shape: the token method (drafts with draft probabilities)
+    against FlashInfer's sequential path, target-only against its fused sampling."""
+    out = []
+    params = ss.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(device)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 4, -1).to(device)
+    draft = logits[:, :K].argmax(-1)  # drafts the target likes: long accepted runs
+    rng = ss.Philox(torch.arange(B, device=device), torch.zeros(B, dtype=torch.int64, device=device))
+    shape = {"B": B, "K": K, "V": V, "top_k": TOP_K, "top_p": TOP_P}
+    base = {"torch": lambda: bench.materialising_chain_verify(
+        ss.logits_to_probs(logits, params), draft, q, gd)}
+    if fis is not None:
+        def fi_sequential():
+            probs = fis.softmax(logits.view(-1, V), temperature=TEMPERATURE)
+            probs = fis.top_p_renorm_probs(fis.top_k_renorm_probs(probs, TOP_K), TOP_P)
+            return fis.chain_speculative_sampling(q, draft.int(), probs.view(B, K + 1, V))
+        base["flashinfer_sequential"] = fi_sequential
+    out.append(record("chain_verify_from_logits", device, {**shape, "method": "token"}, logits,
+                      lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
+                                                          rng=rng), base, rate, reps, inner))
+    base = {"torch": lambda: bench.sort_sampler(logits.view(-1, V), TEMPERATURE, TOP_K, TOP_P, gd)}
+    if fis is not None:
+        def fi_fused():
+            y = fis.top_k_top_p_sampling_from_logits(logits.view(-1, V), TOP_K, TOP_P).view(B, K + 1)
+            return (y[:, :K] == draft).int().cumprod(1).sum(1), y
+        base["flashinfer_fused"] = fi_fused
+    out.append(record("chain_verify_from_logits", device, {**shape, "method": "target_only"}, logits,
+                      lambda: ss.verify_chain_from_logits(logits, draft, params, method="target_only", rng=rng),
+                      base, rate, reps, inner))
+    return out
+
+
+def sampling_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
+    V = 32000 if quick else 128256
+    return [sampling_shape(device, g, gd, rate, reps, inner, B, V) for B in ((16,) if quick else (1, 64, 256))]
+
+
+def sampling_shape(device, g, gd, rate, reps, inner, B, V) -> dict:
+    params = ss.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    logits = (torch.randn(B, V, generator=g) * 4).to(device)
+    rng = ss.Philox(torch.arange(B, device=device), torch.zeros(B, dtype=torch.int64, device=device))
+    base = {"torch": lambda: bench.sort_sampler(logits, TEMPERATURE, TOP_K, TOP_P, gd)}
+    if fis is not None:
+        base["flashinfer"] = lambda: fis.top_k_top_p_sampling_from_logits(logits, TOP_K, TOP_P)
+    return record("sample_from_logits", device, {"B": B, "V": V, "top_k": TOP_K, "top_p": TOP_P}, logits,
+                  lambda: ss.sample_from_logits(logits, params, rng), base, rate, reps, inner)
+
+
+def tree_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
+    B, N, V, depth = (4, 64, 32000, 8) if quick else (32, 64, 128256, 8)
+    parents = torch.tensor([bench.spine_tree(N, depth)] * B)
+    tree = ss.TokenTree.from_parents(parents).to(device)
+    logits = torch.randn(B, N, V, generator=g)
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    spine = torch.arange(1, depth + 1)
+    logits[torch.arange(B)[:, None], spine - 1, tokens[:, spine]] = 14.0  # whole spines accepted
+    logits, tokens, parents = logits.to(device), tokens.to(device), parents.to(device)
+    rng = ss.Philox(torch.arange(B, device=device), torch.zeros(B, dtype=torch.int64, device=device))
+    params = ss.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    return [record("tree_verify_from_logits", device,
+                   {"B": B, "N": N, "V": V, "method": "target_only", "top_k": TOP_K, "top_p": TOP_P, "depth": depth},
+                   logits, lambda: ss.verify_tree_from_logits(logits, tokens, tree, params, method="target_only",
+                                                              rng=rng),
+                   {"torch": lambda: bench.every_node_tree_verify(logits, tokens, parents, TEMPERATURE, TOP_P, gd)},
+                   rate, reps, inner)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--inner", type=int, default=10, help="calls per timed sample (per graph replay)")
+    p.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
+    p.add_argument("--only", choices=("chain", "sampling", "tree"), action="append")
+    p.add_argument("--out", help="write the JSON records here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    gd = torch.Generator(device=device).manual_seed(1)
+    rate = copy_rate(device, args.reps)
+    print(f"{bench.device_name(device)}; copy rate {rate / 1e12:.2f} TB/s (read + write); "
+          f"flashinfer {getattr(flashinfer, '__version__', 'not installed')}; "
+          f"backend {'triton' if use_triton(device) else 'torch'}")
+    print(f"{'op':<26}{'shape':<52}{'median us':>10}{'floor x':>8}  baselines (speedup)")
+    records = []
+    suites = {"chain": chain_records, "sampling": sampling_records, "tree": tree_records}
+    for name in args.only or suites:
+        records += suites[name](device, g, gd, rate, args.reps, args.inner, args.quick)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

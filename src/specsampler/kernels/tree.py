@@ -1,0 +1,498 @@
+"""Tree verification from probabilities: one Triton program per request (see :mod:`specsampler.treeverify`).
+
+Each program walks its request's tree along the ``first_child`` / ``next_sibling`` links and
+reads only what the walk needs:
+
+- ``greedy`` / ``target_only``: at each node of the path one pass (argmax) or two (the draw's
+  total, then a search that stops at the token found) over its target row; the children are
+  matched by their token ids alone.
+- ``rrs``: at each node of the path the children are tested with two scalar loads each
+  (``r(x_c)``, ``q(x_c)``); each rejection is one pass over ``r`` and ``q`` writing the new
+  residual; the correction is drawn from ``r`` at the last node. Target rows of nodes off the
+  path are never read, nor draft rows of children never tested (``without_replacement``: only
+  the first child's, which all siblings share).
+- ``traversal``: the current leftmost path's slots hold ``Mb``, ``Ms`` (without replacement)
+  and ``a``; pushing a node is two scalar loads, deleting a leaf one pass over its parent's
+  ``Mb`` and ``q``. A target row is read only when the node gets children pushed, or is the
+  accepted last node; nodes after the accepted node's subtree in depth-first order are never
+  touched.
+
+Rows that change (``r``, ``q`` of ``rrs`` without replacement, ``Mb``, ``Ms``) live in a
+per-request scratch buffer in global memory, unnormalised: such a row holds ``w`` and its
+divisor ``max(sum(w), 1e-30)`` is kept aside, and its value is read as ``w / divisor``, which
+is exactly the reference's normalised row (the same float32 division) without a
+normalisation pass. Until a row first changes it is read in place from the input. A residual
+without mass leaves the row as it was, so ``r`` and ``Mb`` are written to a second buffer and
+the buffers swapped only when the new row has mass.
+
+Categorical draws are by inversion as :func:`specsampler.processing.sample_by_inversion`:
+the first id of positive weight whose cumulative weight exceeds ``u * total``, else the last
+id of positive weight (0 for a row without mass). Sums are taken block by block in float32,
+so a result can differ from the reference's only where float rounding decides (a uniform
+within rounding of a cumulative boundary, an acceptance ratio within rounding of the
+uniform). Kernels are launched without floating-point contraction (no fused multiply-add),
+as the reference computes ``a * Mb - q``.
+
+Randomness: the acceptance test of node c (``rrs``: child c tested; ``traversal``: leaf c) is
+``STREAM_ACCEPT`` index c; the draw at node v is ``STREAM_SAMPLE`` index v (:mod:`specsampler.rng`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
+from .philox import philox_uniform
+
+METHODS = ("greedy", "target_only", "rrs", "traversal")
+DRAFT_SAMPLING = ("iid", "without_replacement")
+_TINY_MASS = tl.constexpr(1e-30)  # the reference's clamp of divisors
+_SAMPLE = tl.constexpr(STREAM_SAMPLE)
+_ACCEPT = tl.constexpr(STREAM_ACCEPT)
+
+
+@triton.jit
+def _uniform(u_row, seed, offset, index, STREAM: tl.constexpr, PHILOX: tl.constexpr):
+    """The request's uniform at draw ``index`` of ``STREAM``: Philox in-kernel, or ``u_row[index]``."""
+    return tl.sum(philox_uniform(seed, offset, index, STREAM), 0) if PHILOX else tl.load(u_row + index)
+
+
+@triton.jit
+def _row(src, held_row, held, div, offs, mask):
+    """A row at ``offs`` (0 outside ``mask``): read in place at ``src`` while ``held`` is 0, else
+    ``held_row / div`` from the scratch buffer. Only the source in use is loaded."""
+    a = tl.load(src + offs, mask=tl.where(held == 0, mask, False), other=0.0).to(tl.float32)
+    w = tl.load(held_row + offs, mask=tl.where(held != 0, mask, False), other=0.0)
+    return tl.where(held != 0, tl.div_rn(w, div), a)
+
+
+@triton.jit
+def _clamp_divisor(s):
+    """``s.clamp(min=1e-30)`` (NaN stays NaN)."""
+    return tl.where(s < _TINY_MASS, _TINY_MASS, s)
+
+
+@triton.jit
+def _invert(src, held_row, held, div, u, V, BLOCK_V: tl.constexpr):
+    """Categorical draw by inversion of ``u`` from the weights of a row (see :func:`_row`):
+    the first id of positive weight whose cumulative weight exceeds ``u * total``, else the
+    last id of positive weight, 0 for a row without mass. int64. The search stops reading at
+    the block holding the token."""
+    cols = tl.arange(0, BLOCK_V)
+    total = tl.full((), 0.0, tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        total += tl.sum(_row(src, held_row, held, div, offs, offs < V), 0)
+    t = u * tl.where(total < 0.0, 0.0, total)
+    carry = tl.full((), 0.0, tl.float32)
+    found = tl.zeros((), tl.int32) + V
+    last = tl.full((), 0, tl.int32)
+    start = tl.full((), 0, tl.int32)
+    while (start < V) & (found == V):
+        offs = start + cols
+        w = _row(src, held_row, held, div, offs, offs < V)
+        positive = (w > 0) & (offs < V)
+        cum = carry + tl.cumsum(w, 0)
+        found = tl.minimum(found, tl.min(tl.where(positive & (cum > t), offs, V), 0))
+        last = tl.maximum(last, tl.max(tl.where(positive, offs, 0), 0))
+        carry += tl.sum(w, 0)
+        start += BLOCK_V
+    return tl.where(found < V, found, last).to(tl.int64)
+
+
+@triton.jit
+def _argmax(row, V, BLOCK_V: tl.constexpr):
+    """The lowest id of the row's largest value (int64)."""
+    best = tl.full((), float("-inf"), tl.float32)
+    arg = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        p = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m = tl.max(p, 0)
+        first = tl.min(tl.where(p == m, offs, V), 0)
+        arg = tl.where(m > best, first, arg)
+        best = tl.maximum(best, m)
+    return arg.to(tl.int64)
+
+
+@triton.jit
+def _pick(vec, slots, j):
+    """``vec[j]`` of a small per-slot vector."""
+    return tl.sum(tl.where(slots == j, vec, 0), 0)
+
+
+@triton.jit
+def _draws_kernel(
+    p_ptr, x_ptr, fc_ptr, ns_ptr, seed_ptr, offset_ptr, us_ptr, path_ptr, n_ptr, y_ptr,
+    N, V, D, stride_pb, stride_pn,
+    GREEDY: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """greedy / target_only: draw y at the current node, move to its first child carrying y."""
+    b = tl.program_id(0).to(tl.int64)
+    seed = 0
+    offset = 0
+    if PHILOX:
+        seed = tl.load(seed_ptr + b)
+        offset = tl.load(offset_ptr + b)
+    p_b = p_ptr + b * stride_pb
+    x_b = x_ptr + b * N
+    fc_b = fc_ptr + b * N
+    ns_b = ns_ptr + b * N
+    us_b = us_ptr + b * N
+    slots = tl.arange(0, BLOCK_D)
+    path = tl.where(slots == 0, 0, -1).to(tl.int64)
+    v = tl.full((), 0, tl.int64)
+    n = tl.full((), 0, tl.int32)
+    y = tl.full((), 0, tl.int64)
+    walking = n == 0
+    while walking:
+        row = p_b + v * stride_pn
+        if GREEDY:
+            y = _argmax(row, V, BLOCK_V)
+        else:
+            y = _invert(row, row, 0, 1.0, _uniform(us_b, seed, offset, v, _SAMPLE, PHILOX), V, BLOCK_V)
+        kid = tl.load(fc_b + v)
+        found = tl.full((), -1, tl.int64)
+        while (kid >= 0) & (found < 0):  # y is in [0, V): only a usable child can carry it
+            found = tl.where(tl.load(x_b + kid) == y, kid, found)
+            kid = tl.load(ns_b + kid)
+        walking = found >= 0
+        if walking:
+            n += 1
+            path = tl.where(slots == n, found, path)
+            v = found
+    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
+    tl.store(n_ptr + b, n.to(tl.int64))
+    tl.store(y_ptr + b, y)
+
+
+@triton.jit
+def _rrs_kernel(
+    p_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, path_ptr, n_ptr, y_ptr,
+    N, V, D, stride_pb, stride_pn, stride_qb, stride_qn,
+    WO: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Recursive rejection sampling down the tree.
+
+    Scratch rows of the request: 0 and 1 hold the residual ``r`` (one current, one to write
+    the next into), 2 the shared ``q`` (without replacement).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    seed = 0
+    offset = 0
+    if PHILOX:
+        seed = tl.load(seed_ptr + b)
+        offset = tl.load(offset_ptr + b)
+    p_b = p_ptr + b * stride_pb
+    q_b = q_ptr + b * stride_qb
+    x_b = x_ptr + b * N
+    fc_b = fc_ptr + b * N
+    ns_b = ns_ptr + b * N
+    ua_b = ua_ptr + b * N
+    us_b = us_ptr + b * N
+    scratch = scratch_ptr + b * (3 if WO else 2) * V
+    q_held_row = scratch + 2 * V
+    cols = tl.arange(0, BLOCK_V)
+    slots = tl.arange(0, BLOCK_D)
+    path = tl.where(slots == 0, 0, -1).to(tl.int64)
+    v = tl.full((), 0, tl.int64)
+    n = tl.full((), 0, tl.int32)
+    y = tl.full((), 0, tl.int64)
+    walking = n == 0
+    while walking:
+        p_row = p_b + v * stride_pn
+        r_held = tl.full((), 0, tl.int32)  # r = p_v until a rejection changes it
+        r_buf = tl.full((), 0, tl.int32)
+        r_div = tl.full((), 1.0, tl.float32)
+        kid = tl.load(fc_b + v)
+        q_shared = q_b + tl.maximum(kid, 0) * stride_qn  # the first child's q, shared by its siblings
+        q_held = tl.full((), 0, tl.int32)
+        q_div = tl.full((), 1.0, tl.float32)
+        chosen = tl.full((), -1, tl.int64)
+        while (kid >= 0) & (chosen < 0):
+            x = tl.load(x_b + kid)
+            xc = tl.minimum(tl.maximum(x, 0), V - 1)
+            q_row = q_shared if WO else q_b + kid * stride_qn
+            q_x = _row(q_row, q_held_row, q_held, q_div, xc, xc >= 0)
+            r_x = _row(p_row, scratch + r_buf * V, r_held, r_div, xc, xc >= 0)
+            u = _uniform(ua_b, seed, offset, kid, _ACCEPT, PHILOX)
+            if (x >= 0) & (x < V) & (u * q_x < r_x):
+                chosen = kid
+            else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
+                tl.debug_barrier()  # every thread has read r(x_c), q(x_c) before q is rewritten in place
+                out = tl.where(r_held != 0, 1 - r_buf, r_buf)
+                mass = tl.full((), 0.0, tl.float32)
+                q_mass = tl.full((), 0.0, tl.float32)
+                for start in range(0, V, BLOCK_V):
+                    offs = start + cols
+                    mask = offs < V
+                    q = _row(q_row, q_held_row, q_held, q_div, offs, mask)
+                    d = _row(p_row, scratch + r_buf * V, r_held, r_div, offs, mask) - q
+                    w = tl.where(d < 0.0, 0.0, d)
+                    tl.store(scratch + out * V + offs, w, mask=mask)
+                    mass += tl.sum(w, 0)
+                    if WO:
+                        q = tl.where(offs == xc, 0.0, q)
+                        tl.store(q_held_row + offs, q, mask=mask)
+                        q_mass += tl.sum(q, 0)
+                tl.debug_barrier()
+                has_mass = mass > 0.0
+                r_buf = tl.where(has_mass, out, r_buf)
+                r_div = tl.where(has_mass, _clamp_divisor(mass), r_div)
+                r_held = tl.where(has_mass, 1, r_held)
+                if WO:
+                    q_held = tl.full((), 1, tl.int32)
+                    q_div = _clamp_divisor(q_mass)
+                kid = tl.load(ns_b + kid)
+        walking = chosen >= 0
+        if walking:
+            n += 1
+            path = tl.where(slots == n, chosen, path)
+            v = chosen
+        else:
+            u = _uniform(us_b, seed, offset, v, _SAMPLE, PHILOX)
+            y = _invert(p_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
+    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
+    tl.store(n_ptr + b, n.to(tl.int64))
+    tl.store(y_ptr + b, y)
+
+
+@triton.jit
+def _traversal_kernel(
+    p_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, path_ptr, n_ptr, y_ptr,
+    N, V, D, stride_pb, stride_pn, stride_qb, stride_qn,
+    WO: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Traversal verification: the first leaf in depth-first order is tested; a rejected leaf
+    is deleted and its parent updated.
+
+    The current leftmost path fills slots 0..top. The top slot's state is in scalars: ``node``,
+    ``a_top``, its ``Mb`` (``held``: 0 while it is the node's target row, else scratch row
+    ``buf`` over ``div``) and its ``Ms`` (without replacement: the draft row ``q_src`` it starts
+    from, ``q_held``, ``q_div``; scratch row D+2+slot). The slots below are in small per-slot
+    vectors, written when a child is pushed above them and read back when they are the top
+    again. Scratch rows 0..D+1 hold ``Mb``: one per slot (``mb_buf``) and a ``spare``, which a
+    held ``Mb``'s update is written to and then swapped in (without mass the old one stays).
+    """
+    b = tl.program_id(0).to(tl.int64)
+    seed = 0
+    offset = 0
+    if PHILOX:
+        seed = tl.load(seed_ptr + b)
+        offset = tl.load(offset_ptr + b)
+    p_b = p_ptr + b * stride_pb
+    q_b = q_ptr + b * stride_qb
+    x_b = x_ptr + b * N
+    fc_b = fc_ptr + b * N
+    ns_b = ns_ptr + b * N
+    ua_b = ua_ptr + b * N
+    us_b = us_ptr + b * N
+    scratch = scratch_ptr + b * ((2 * D + 3) if WO else (D + 2)) * V
+    ms_scratch = scratch + (D + 2) * V
+    cols = tl.arange(0, BLOCK_V)
+    slots = tl.arange(0, BLOCK_D)
+    stack = tl.full((BLOCK_D,), -1, tl.int64)
+    a = tl.zeros((BLOCK_D,), tl.float32)
+    mb_held = tl.zeros((BLOCK_D,), tl.int32)
+    mb_buf = slots
+    mb_div = tl.full((BLOCK_D,), 1.0, tl.float32)
+    ms_src = tl.zeros((BLOCK_D,), tl.int64)
+    ms_held = tl.zeros((BLOCK_D,), tl.int32)
+    ms_div = tl.full((BLOCK_D,), 1.0, tl.float32)
+    top = tl.full((), 0, tl.int32)  # the root, a(root) = 1, Mb = p_root
+    node = tl.full((), 0, tl.int64)
+    a_top = tl.full((), 1.0, tl.float32)
+    held = tl.full((), 0, tl.int32)
+    buf = tl.full((), 0, tl.int32)
+    div = tl.full((), 1.0, tl.float32)
+    q_src = tl.full((), 0, tl.int64)
+    q_held = tl.full((), 0, tl.int32)
+    q_div = tl.full((), 1.0, tl.float32)
+    spare = tl.zeros((), tl.int32) + D + 1
+    pending = tl.load(fc_b)  # the next node to push: a first child, or the sibling of a deleted leaf
+    first = pending >= 0  # whether it is a first child (its q starts its parent's Ms)
+    accepted = pending < -1
+    steps = tl.full((), 0, tl.int32)
+    while (~accepted) & (steps <= N):  # each step deletes a node: N steps at most
+        while pending >= 0:  # push `pending` above the top, then first children down to a leaf
+            if first:  # Ms of the top starts as its first child's q
+                q_src = pending
+                q_held = tl.full((), 0, tl.int32)
+                q_div = tl.full((), 1.0, tl.float32)
+            x = tl.load(x_b + pending)
+            xc = tl.minimum(tl.maximum(x, 0), V - 1)
+            mb_x = _row(p_b + node * stride_pn, scratch + buf * V, held, div, xc, xc >= 0)
+            if WO:
+                q_x = _row(q_b + q_src * stride_qn, ms_scratch + top * V, q_held, q_div, xc, xc >= 0)
+            else:
+                q_x = tl.load(q_b + pending * stride_qn + xc).to(tl.float32)
+            num = a_top * mb_x
+            ratio = tl.where(num > 0.0, tl.where(num >= q_x, 1.0, tl.div_rn(num, _clamp_divisor(q_x))), 0.0)
+            at = slots == top
+            stack = tl.where(at, node, stack)
+            a = tl.where(at, a_top, a)
+            mb_held = tl.where(at, held, mb_held)
+            mb_buf = tl.where(at, buf, mb_buf)
+            mb_div = tl.where(at, div, mb_div)
+            if WO:
+                ms_src = tl.where(at, q_src, ms_src)
+                ms_held = tl.where(at, q_held, ms_held)
+                ms_div = tl.where(at, q_div, ms_div)
+            top += 1
+            node = pending
+            a_top = tl.where((x >= 0) & (x < V), ratio, 0.0)
+            held = tl.full((), 0, tl.int32)
+            buf = _pick(mb_buf, slots, top)
+            div = tl.full((), 1.0, tl.float32)
+            pending = tl.load(fc_b + node)
+            first = pending >= 0
+        accepted = (top == 0) | (_uniform(ua_b, seed, offset, node, _ACCEPT, PHILOX) < a_top)
+        if ~accepted:  # delete the leaf; its parent (the new top): w = max(a Mb - q, 0), Mb = norm(w), a = ...
+            leaf = node
+            mb_buf = tl.where(slots == top, buf, mb_buf)  # the leaf's slot keeps its scratch row
+            top -= 1
+            node = _pick(stack, slots, top)
+            a_top = _pick(a, slots, top)
+            held = _pick(mb_held, slots, top)
+            buf = _pick(mb_buf, slots, top)
+            div = _pick(mb_div, slots, top)
+            if WO:
+                q_src = _pick(ms_src, slots, top)
+                q_held = _pick(ms_held, slots, top)
+                q_div = _pick(ms_div, slots, top)
+            q_row = q_b + (q_src if WO else leaf) * stride_qn
+            out = tl.where(held != 0, spare, buf)
+            xc = tl.minimum(tl.maximum(tl.load(x_b + leaf), 0), V - 1)
+            mass = tl.full((), 0.0, tl.float32)
+            q_mass = tl.full((), 0.0, tl.float32)
+            tl.debug_barrier()  # every thread has read Ms(x) of the pushes before Ms is rewritten in place
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                mask = offs < V
+                q = _row(q_row, ms_scratch + top * V, q_held, q_div, offs, mask)
+                d = a_top * _row(p_b + node * stride_pn, scratch + buf * V, held, div, offs, mask) - q
+                w = tl.where(d < 0.0, 0.0, d)
+                tl.store(scratch + out * V + offs, w, mask=mask)
+                mass += tl.sum(w, 0)
+                if WO:
+                    q = tl.where(offs == xc, 0.0, q)
+                    tl.store(ms_scratch + top * V + offs, q, mask=mask)
+                    q_mass += tl.sum(q, 0)
+            tl.debug_barrier()
+            has_mass = mass > 0.0
+            spare = tl.where(has_mass & (held != 0), buf, spare)
+            buf = tl.where(has_mass, out, buf)
+            held = tl.where(has_mass, 1, held)
+            div = tl.where(has_mass, _clamp_divisor(mass), div)
+            a_top = tl.where(has_mass, tl.div_rn(mass, tl.where(has_mass, mass + 1.0 - a_top, 1.0)), 0.0)
+            if WO:
+                q_held = tl.full((), 1, tl.int32)
+                q_div = _clamp_divisor(q_mass)
+            pending = tl.load(ns_b + leaf)
+            first = pending < -1
+        steps += 1
+    u = _uniform(us_b, seed, offset, node, _SAMPLE, PHILOX)
+    y = _invert(p_b + node * stride_pn, scratch + buf * V, held, div, u, V, BLOCK_V)
+    path = tl.where(slots < top, stack, tl.where(slots == top, node, -1))
+    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
+    tl.store(n_ptr + b, top.to(tl.int64))
+    tl.store(y_ptr + b, y)
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` with a contiguous last dimension (copied only when it is not)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def verify_tree(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    first_child: Tensor,
+    next_sibling: Tensor,
+    draft_probs: Tensor | None,
+    method: str,
+    draft_sampling: str,
+    max_depth: int,
+    seed: Tensor | int | None = None,
+    offset: Tensor | int | None = None,
+    u_accept: Tensor | None = None,
+    u_sample: Tensor | None = None,
+    *,
+    block_v: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Verify one draft tree per request (the walks of :func:`specsampler.treeverify.verify_tree`).
+
+    Inputs are taken as validated by the reference's checks (a valid :class:`specsampler.TokenTree`);
+    nothing here syncs with the host, and every allocation depends on shapes only.
+
+    Args:
+        target_probs: float ``[B, N, V]`` (float32, or fp16/bf16 read as float32): row v = the
+            target distribution after node v.
+        draft_tokens: int64 ``[B, N]``: node v's token (the root's unused); a token outside
+            ``[0, V)`` is never accepted.
+        first_child, next_sibling: int64 ``[B, N]``: the tree's child lists (``TokenTree``
+            fields), ``-1`` = none; siblings are tried in link order.
+        draft_probs: float ``[B, N, V]``: row c = the distribution node c's token was drawn from
+            (``rrs``, ``traversal``; without replacement the first child's row is its siblings'
+            shared q); None for ``greedy`` and ``target_only``.
+        method: ``"greedy"``, ``"target_only"``, ``"rrs"`` or ``"traversal"``.
+        draft_sampling: ``"iid"`` or ``"without_replacement"`` (``rrs``, ``traversal``).
+        max_depth: ``D``, the tree's ``max_depth`` (paths have ``D + 1`` entries).
+        seed, offset: int64 ``[B]`` (or ints): Philox keys; the uniforms are computed in the
+            kernel at the counters of :mod:`specsampler.rng` (offset None = 0). When ``seed``
+            is None the uniforms are given instead:
+        u_accept: float32 ``[B, N]``: ``STREAM_ACCEPT`` uniforms by node (``rrs``, ``traversal``).
+        u_sample: float32 ``[B, N]``: ``STREAM_SAMPLE`` uniforms by node (all but ``greedy``).
+        block_v: vocabulary entries per block (a power of 2; default ``min(1024, V)`` rounded up).
+    Returns:
+        path: int64 ``[B, D+1]``: node ids of the accepted path from the root, ``-1`` after.
+        num_accepted: int64 ``[B]``: accepted drafts.
+        y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
+    """
+    op = "specsampler.kernels.tree.verify_tree"
+    if method not in METHODS:
+        raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"{op}: draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+    stochastic_drafts = method in ("rrs", "traversal")
+    if stochastic_drafts and draft_probs is None:
+        raise ValueError(f"{op}: method {method!r} needs draft_probs")
+    philox = seed is not None
+    if not philox and method != "greedy" and (u_sample is None or (stochastic_drafts and u_accept is None)):
+        raise ValueError(f"{op}: method {method!r} needs seed, or u_sample (and u_accept for rrs and traversal)")
+    B, N, V = target_probs.shape
+    D, dev = max_depth, target_probs.device
+    path = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
+    y = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return path, num_accepted, y
+    p = _rows(target_probs)
+    q = _rows(draft_probs) if stochastic_drafts else p
+    links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
+    if philox:
+        seed = torch.as_tensor(seed, dtype=torch.int64, device=dev).expand(B).contiguous()
+        offset = torch.zeros_like(seed) if offset is None else (
+            torch.as_tensor(offset, dtype=torch.int64, device=dev).expand(B).contiguous())
+        keys = seed, offset
+    else:
+        keys = links[0], links[0]  # unused
+    ua = u_accept.float().contiguous() if u_accept is not None and not philox else p
+    us = u_sample.float().contiguous() if u_sample is not None and not philox else p
+    outs = path, num_accepted, y
+    meta = dict(PHILOX=philox, BLOCK_V=block_v or min(1024, triton.next_power_of_2(V)),
+                BLOCK_D=triton.next_power_of_2(D + 2), enable_fp_fusion=False)
+    if not stochastic_drafts:
+        _draws_kernel[(B,)](p, *links, *keys, us, *outs, N, V, D, p.stride(0), p.stride(1),
+                            GREEDY=method == "greedy", **meta)
+        return outs
+    wo = draft_sampling == "without_replacement"
+    rows = (3 if wo else 2) if method == "rrs" else (2 * D + 3 if wo else D + 2)
+    scratch = torch.empty(B, rows, V, dtype=torch.float32, device=dev)
+    kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
+    kernel[(B,)](p, q, *links, *keys, ua, us, scratch, *outs, N, V, D, p.stride(0), p.stride(1), q.stride(0),
+                 q.stride(1), WO=wo, **meta)
+    return outs

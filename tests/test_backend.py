@@ -1,0 +1,100 @@
+"""Back-end choice (DESIGN.md): CUDA tensors run the Triton kernels, CPU tensors the PyTorch
+reference, ``SPECSAMPLER_BACKEND`` forces one; the public functions give the same results on both."""
+
+import pytest
+import torch
+
+import specsampler as ss
+from specsampler.kernels import use_triton
+
+pytest.importorskip("triton")
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_the_device_decides_unless_the_environment_forces_a_back_end(monkeypatch):
+    monkeypatch.delenv("SPECSAMPLER_BACKEND", raising=False)
+    assert not use_triton(CPU) and use_triton(CUDA)
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
+    assert not use_triton(CPU) and not use_triton(CUDA)
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(CPU) and use_triton(CUDA)
+
+
+def test_a_bad_or_unusable_forced_back_end_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SPECSAMPLER_BACKEND.*one of"):
+        use_triton(CPU)
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        use_triton(CPU)
+
+
+def _both(monkeypatch, fn):
+    """fn() under the torch back end, then under the triton one (the interpreter on the CPU)."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
+    ref = fn()
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    return ref, fn()
+
+
+@pytest.mark.parametrize("method", ["token", "block", "target_only", "greedy"])
+def test_verify_chain_gives_the_same_result_on_both_back_ends(monkeypatch, method):
+    g = torch.Generator().manual_seed(3)
+    B, K, V = 6, 3, 17
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
+    x = torch.where(torch.rand(B, K, generator=g) < 0.7, p[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=g))
+    q = q if method in ("token", "block") else None
+    n = torch.tensor([3, 2, 0, 1, 3, 3])
+    for rng in (ss.Philox(torch.arange(B) * 7, 2), None):
+        seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(9))
+        ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_chain(p, x, q, num_drafts=n, method=method,
+                                                                            rng=seeded()))
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.num_accepted, ref.num_accepted)
+        torch.testing.assert_close(got.expected_accepted, ref.expected_accepted)
+
+
+@pytest.mark.parametrize("method, drafting", [("greedy", "iid"), ("target_only", "iid"), ("rrs", "iid"),
+                                              ("rrs", "without_replacement"), ("traversal", "iid"),
+                                              ("traversal", "without_replacement")])
+def test_verify_tree_gives_the_same_result_on_both_back_ends(monkeypatch, method, drafting):
+    g = torch.Generator().manual_seed(4)
+    B, V = 4, 11
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1, 1, 2, 3, -1]] * B))
+    N = tree.size
+    p = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
+    q = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1) if method in ("rrs", "traversal") else None
+    x = torch.randint(0, V, (B, N), generator=g)
+    for rng in (ss.Philox(torch.arange(B), 5), None):
+        seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(9))
+        ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_tree(p, x, tree, q, method=method,
+                                                                           draft_sampling=drafting, rng=seeded()))
+        assert torch.equal(got.path, ref.path) and torch.equal(got.tokens, ref.tokens)
+        if ref.expected_accepted is not None:
+            torch.testing.assert_close(got.expected_accepted, ref.expected_accepted)
+
+
+def test_mlc_batch_spec_verify_mutates_the_same_way_on_both_back_ends(monkeypatch):
+    from specsampler import mlc
+
+    g = torch.Generator().manual_seed(6)
+    V = 9
+    # two requests: nodes 0-3 (root 0, children 1 and 2, 3 under 1) and nodes 4-6 (root 4, chain 5, 6)
+    first_child = torch.tensor([1, 3, -1, -1, 5, 6, -1], dtype=torch.int32)
+    next_sibling = torch.tensor([-1, 2, -1, -1, -1, -1, -1], dtype=torch.int32)
+    draft_probs = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
+    model = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
+    tokens = torch.multinomial(draft_probs, 1, generator=g)[:, 0].int()
+    u = torch.rand(7, generator=g)
+
+    def run():
+        m, ptr = model.clone(), torch.tensor([0, 4], dtype=torch.int32)
+        mlc.batch_spec_verify(draft_probs, tokens, m, first_child, next_sibling, u, ptr)
+        return m, ptr
+
+    (m_ref, ptr_ref), (m_got, ptr_got) = _both(monkeypatch, run)
+    assert torch.equal(ptr_got, ptr_ref)
+    torch.testing.assert_close(m_got, m_ref)

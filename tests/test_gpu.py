@@ -1,0 +1,113 @@
+"""GPU only (skipped without CUDA): the kernels at real sizes against the references on the same
+streams, inside captured CUDA graphs (replays with advanced Philox offsets equal eager runs), and
+under ``torch.compile(fullgraph=True)``."""
+
+import os
+
+import pytest
+import torch
+
+import specsampler as ss
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+def _reference(monkeypatch, fn):
+    """fn() on the PyTorch reference (CPU copies of the inputs are made by fn itself)."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
+    try:
+        return fn()
+    finally:
+        monkeypatch.delenv("SPECSAMPLER_BACKEND")
+
+
+def _chain_inputs(B=16, K=4, V=32000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, K + 1, V, generator=g) * 4
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 4, -1)
+    x = torch.where(torch.rand(B, K, generator=g) < 0.8, p[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=g))
+    return logits, p, x, q
+
+
+@pytest.mark.parametrize("method", ["token", "block", "target_only", "greedy"])
+def test_chain_kernel_equals_the_reference_at_a_real_vocabulary(monkeypatch, method):
+    _, p, x, q = _chain_inputs(V=128256)
+    q = q if method in ("token", "block") else None
+    rng = ss.Philox(torch.arange(p.shape[0]), 3)
+    got = ss.verify_chain(p.to(CUDA), x.to(CUDA), None if q is None else q.to(CUDA), method=method,
+                          rng=ss.Philox(torch.arange(p.shape[0], device=CUDA), 3))
+    ref = _reference(monkeypatch, lambda: ss.verify_chain(p, x, q, method=method, rng=rng))
+    assert (got.tokens.cpu() != ref.tokens).any(1).sum() <= 1  # identical but for a float rounding tie
+    torch.testing.assert_close(got.expected_accepted.cpu(), ref.expected_accepted, rtol=1e-4, atol=1e-5)
+
+
+def _capture(fn):
+    """A CUDA graph of fn() (after a warm-up on a side stream) and its static outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_graph_replays_with_advanced_offsets_equal_eager_runs():
+    _, p, x, q = _chain_inputs()
+    p, x, q = p.to(CUDA), x.to(CUDA), q.to(CUDA)
+    B = p.shape[0]
+    seed = torch.arange(B, device=CUDA) * 13
+    offset = torch.zeros(B, dtype=torch.int64, device=CUDA)
+    rng = ss.Philox(seed, offset)
+    graph, out = _capture(lambda: ss.verify_chain(p, x, q, method="token", rng=rng).tokens)
+    for step in range(4):
+        offset.fill_(step)
+        graph.replay()
+        eager = ss.verify_chain(p, x, q, method="token", rng=ss.Philox(seed, step)).tokens
+        assert torch.equal(out, eager)
+    draws = set()
+    for step in range(4):  # the offsets really change the draws
+        offset.fill_(step)
+        graph.replay()
+        draws.add(tuple(out[:, -1].tolist()))
+    assert len(draws) > 1
+
+
+def test_tree_and_sampling_ops_capture_in_a_graph():
+    B, V = 8, 32000
+    g = torch.Generator().manual_seed(1)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1, 1, 2]] * B)).to(CUDA)
+    p = torch.softmax(torch.randn(B, tree.size, V, generator=g) * 4, -1).to(CUDA)
+    q = torch.softmax(torch.randn(B, tree.size, V, generator=g) * 4, -1).to(CUDA)
+    x = torch.randint(0, V, (B, tree.size), generator=g).to(CUDA)
+    logits = (torch.randn(B, V, generator=g) * 4).to(CUDA)
+    offset = torch.zeros(B, dtype=torch.int64, device=CUDA)
+    rng = ss.Philox(torch.arange(B, device=CUDA), offset)
+    params = ss.SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+    for op in (lambda r: ss.verify_tree(p, x, tree, q, method="traversal", rng=r).tokens,
+               lambda r: ss.sample_from_logits(logits, params, r).tokens):
+        graph, out = _capture(lambda op=op: op(rng))
+        for step in (2, 5):
+            offset.fill_(step)
+            graph.replay()
+            assert torch.equal(out, op(ss.Philox(torch.arange(B, device=CUDA), step)))
+
+
+@pytest.mark.skipif(os.environ.get("SPECSAMPLER_SKIP_COMPILE") == "1", reason="compile disabled")
+def test_ops_work_under_torch_compile_fullgraph():
+    _, p, x, q = _chain_inputs(B=8, V=4096)
+    p, x, q = p.to(CUDA), x.to(CUDA), q.to(CUDA)
+    seed = torch.arange(8, device=CUDA)
+    offset = torch.full((8,), 4, dtype=torch.int64, device=CUDA)
+
+    def step(p, x, q, seed, offset):
+        res = ss.verify_chain(p, x, q, method="token", rng=ss.Philox(seed, offset))
+        return res.tokens, res.num_accepted
+
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(p, x, q, seed, offset), step(p, x, q, seed, offset)):
+        assert torch.equal(got, want)
