@@ -98,3 +98,21 @@ def test_mlc_batch_spec_verify_mutates_the_same_way_on_both_back_ends(monkeypatc
     (m_ref, ptr_ref), (m_got, ptr_got) = _both(monkeypatch, run)
     assert torch.equal(ptr_got, ptr_ref)
     torch.testing.assert_close(m_got, m_ref)
+
+
+def test_sampling_gives_the_same_tokens_on_both_back_ends(monkeypatch):
+    g = torch.Generator().manual_seed(8)
+    B, M, V = 5, 2, 300
+    logits = torch.randn(B, M, V, generator=g) * 3
+    params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9]),
+                               top_k=torch.tensor([0, 20, 0, 5, 0]), top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 1.0]),
+                               min_p=torch.tensor([0, 0, 0, 0, 0.1]))
+    mask = torch.rand(B, 1, V, generator=g) < 0.9
+    probs = torch.softmax(logits, -1)
+    for rng in (ss.Philox(torch.arange(B) * 3, 1), None):
+        seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(2))
+        ref, got = _both(monkeypatch, lambda seeded=seeded: ss.sample_from_logits(logits, params, seeded(), mask))
+        assert torch.equal(got.tokens, ref.tokens)
+        torch.testing.assert_close(got.logprobs, ref.logprobs)
+        ref, got = _both(monkeypatch, lambda seeded=seeded: ss.sample(probs, seeded()))
+        assert torch.equal(got, ref)

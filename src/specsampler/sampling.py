@@ -17,9 +17,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .kernels import use_triton
 from .params import RowParams, SamplingParams
 from .processing import process, sample_by_inversion
-from .rng import STREAM_SAMPLE, Philox, check_rng, uniform
+from .rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from .validation import (
     check_logits_values,
     check_mode,
@@ -172,8 +173,23 @@ def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, valida
     B, M, V = _leading(op, "probs", probs)
     if full:
         check_probs_values(op, "probs", probs)
+    if use_triton(probs.device):
+        from .kernels import ops
+
+        seed, offset, index, u = _row_randomness(rng, op, B, M, probs.device)
+        return ops.sample(probs.reshape(-1, V), seed, offset, index, u).reshape(probs.shape[:-1])
     u = uniform(rng, op, B, M, STREAM_SAMPLE, probs.device).reshape(-1)
     return sample_by_inversion(probs.reshape(-1, V).float(), u).reshape(probs.shape[:-1])
+
+
+def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
+    """For the sampling kernels: per row (``B * M``, request-major) the Philox seed, offset and
+    draw index, or (with another rng) the uniforms the reference draws."""
+    seed, offset, (u,) = kernel_randomness(rng, op, B, M, (STREAM_SAMPLE,), device)
+    if seed is None:
+        return None, None, None, u.reshape(-1)
+    index = torch.arange(M, device=device).repeat(B)
+    return seed.repeat_interleave(M), offset.repeat_interleave(M), index, None
 
 
 def sample_from_logits(
@@ -205,11 +221,21 @@ def sample_from_logits(
     check_rng(op, rng)
     if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
         fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
+    lead = logits.shape[:-1]
+    if num_logprobs == 0 and use_triton(logits.device):  # top-N log-probabilities: the PyTorch path
+        from .kernels import ops
+
+        rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full)
+        V = logits.shape[-1]
+        seed, offset, index, u = _row_randomness(rng, op, B, M, logits.device)
+        mask = None if mask is None else mask.reshape(-1, V).contiguous()
+        tokens, logprobs = ops.sample_from_logits(logits.reshape(-1, V), rp.temperature, rp.top_k, rp.top_p,
+                                                  rp.min_p, mask, seed, offset, index, u)
+        return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
     x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
     proc = process(x, rp, logits=True, min_candidates=num_logprobs)
     u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
     tokens = proc.sample(u)
-    lead = logits.shape[:-1]
     logprobs = proc.prob(tokens).log().reshape(lead)
     top_ids = top_lp = None
     if num_logprobs:

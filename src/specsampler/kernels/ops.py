@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import chain as _chain
 from . import mlc as _mlc
+from . import sampling as _sampling
 from . import tree as _tree
 
 
@@ -62,3 +63,29 @@ def mlc_batch_spec_verify(draft_probs: Tensor, draft_tokens: Tensor, model_probs
 def _(draft_probs, draft_tokens, model_probs, token_tree_first_child, token_tree_next_sibling, uniform_samples,
       token_tree_parent_ptr):
     return None
+
+
+@torch.library.custom_op("specsampler::sample_from_logits", mutates_args=())
+def sample_from_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                       vocab_mask: Tensor | None, seed: Tensor | None, offset: Tensor | None, index: Tensor | None,
+                       u: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:func:`specsampler.kernels.sampling.sample_from_logits`: tokens int64 ``[R]``, logprobs float32 ``[R]``."""
+    return _sampling.sample_from_logits(logits, temperature, top_k, top_p, min_p, vocab_mask, seed, offset, index, u)
+
+
+@sample_from_logits.register_fake
+def _(logits, temperature, top_k, top_p, min_p, vocab_mask, seed, offset, index, u):
+    R = logits.shape[0]
+    return logits.new_empty((R,), dtype=torch.int64), logits.new_empty((R,), dtype=torch.float32)
+
+
+@torch.library.custom_op("specsampler::sample", mutates_args=())
+def sample(probs: Tensor, seed: Tensor | None, offset: Tensor | None, index: Tensor | None,
+           u: Tensor | None) -> Tensor:
+    """:func:`specsampler.kernels.sampling.sample`: tokens int64 ``[R]``."""
+    return _sampling.sample(probs, seed, offset, index, u)
+
+
+@sample.register_fake
+def _(probs, seed, offset, index, u):
+    return probs.new_empty((probs.shape[0],), dtype=torch.int64)

@@ -1,0 +1,179 @@
+"""Triton kernels of :func:`specsampler.sample_from_logits` and :func:`specsampler.sample`.
+
+One program per row. The randomness is one uniform per row (:mod:`specsampler.rng`): either drawn
+in the kernel from Philox at ``(seed, offset)``, stream ``STREAM_SAMPLE``, draw index ``index``
+(the row's flat position inside its request), or given precomputed (``u``), for
+``torch.Generator`` / ``None`` streams drawn by the caller as the reference draws them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..rng import STREAM_SAMPLE
+from .philox import philox_uniform
+from .rows import describe_row, draw, find_chunk, invert, row_config, row_scratch
+
+_STREAM_SAMPLE = tl.constexpr(STREAM_SAMPLE)
+_TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX: tl.constexpr):
+    """The uniform of one row: Philox at (seed, offset, index) of the row, or u[row]."""
+    if PHILOX:
+        seed = tl.load(seed_ptr + row)
+        offset = tl.load(offset_ptr + row)
+        index = tl.load(index_ptr + row)
+        u = tl.max(philox_uniform(seed, offset, index, _STREAM_SAMPLE), axis=0)
+    else:
+        u = tl.load(u_ptr + row)
+    return u
+
+
+@triton.jit
+def _sample_from_logits_kernel(
+    logits_ptr, logits_stride, mask_ptr, mask_stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    seed_ptr, offset_ptr, index_ptr, u_ptr, tokens_ptr, logprobs_ptr, fscratch_ptr, iscratch_ptr, V,
+    HAS_MASK: tl.constexpr, PHILOX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+    NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_stride
+    mask_row = mask_ptr + row * mask_stride
+    fscratch_row = fscratch_ptr + row * (3 * NCH_P2)
+    iscratch_row = iscratch_ptr + row * (2 * CAND)
+    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
+        logits_row, mask_row, V, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
+        tl.load(min_p_ptr + row), fscratch_row, iscratch_row,
+        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+    u = _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX)
+    token, weight = draw(u, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row, V,
+                         fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, tl.log(weight / tl.maximum(z, _TINY)))
+
+
+def _randomness(R: int, seed, offset, index, u, device) -> tuple[bool, Tensor, Tensor, Tensor, Tensor]:
+    """(philox, seed, offset, index, u) with a placeholder for the unused side."""
+    if (u is None) == (seed is None or offset is None or index is None):
+        raise ValueError("expected either seed, offset and index (int64 [R]) or u (float32 [R])")
+    if u is None:
+        return True, seed, offset, index, torch.empty(0, dtype=torch.float32, device=device)
+    dummy = torch.empty(0, dtype=torch.int64, device=device)
+    return False, dummy, dummy, dummy, u
+
+
+def sample_from_logits(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    vocab_mask: Tensor | None = None,
+    seed: Tensor | None = None,
+    offset: Tensor | None = None,
+    index: Tensor | None = None,
+    u: Tensor | None = None,
+    *,
+    chunk: int = 64,
+    cand: int = 256,
+    num_warps: int = 8,
+) -> tuple[Tensor, Tensor]:
+    """Process each row of logits and draw one token by inversion (the kernel of
+    :func:`specsampler.sample_from_logits` for ``num_logprobs=0``).
+
+    Args:
+        logits: float32/bf16/fp16 ``[R, V]``, rows contiguous (any row stride).
+        temperature: float32 ``[R]`` (0 = greedy); top_k: int64 ``[R]`` (<= 0 or >= V: off);
+            top_p: float32 ``[R]`` (>= 1: off); min_p: float32 ``[R]``.
+        vocab_mask: bool ``[R, V]`` (True = allowed, rows contiguous), or None.
+        seed, offset: int64 ``[R]``, the Philox key and counter offset of each row's request;
+            index: int64 ``[R]``, the row's draw index (its flat position inside the request).
+        u: float32 ``[R]`` in [0, 1): precomputed uniforms, instead of seed/offset/index.
+        chunk, cand, num_warps: tuning (see :func:`specsampler.kernels.rows.row_config`).
+    Returns:
+        tokens int64 ``[R]`` in ``[0, V)``; logprobs float32 ``[R]``, the log of each token's
+        processed probability (-inf for a row without an allowed finite logit, which draws 0).
+    """
+    R, V = logits.shape
+    philox, seed, offset, index, u = _randomness(R, seed, offset, index, u, logits.device)
+    tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(R, dtype=torch.float32, device=logits.device)
+    if R == 0:
+        return tokens, logprobs
+    cfg = row_config(V, chunk=chunk, cand=cand)
+    fscratch, iscratch = row_scratch(R, cfg, logits.device)
+    mask = logits if vocab_mask is None else vocab_mask.view(torch.uint8)
+    _sample_from_logits_kernel[(R,)](
+        logits, logits.stride(0), mask, mask.stride(0), temperature, top_k, top_p, min_p,
+        seed, offset, index, u, tokens, logprobs, fscratch, iscratch, V,
+        HAS_MASK=vocab_mask is not None, PHILOX=philox, num_warps=num_warps, **cfg,
+    )
+    return tokens, logprobs
+
+
+@triton.jit
+def _sample_kernel(probs_ptr, probs_stride, seed_ptr, offset_ptr, index_ptr, u_ptr, tokens_ptr, fscratch_ptr, V,
+                   PHILOX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    probs_row = probs_ptr + row * probs_stride
+    fscratch_row = fscratch_ptr + row * (3 * NCH_P2)
+    n_chunks = tl.cdiv(V, CHUNK)
+    local = tl.arange(0, BLOCK_CHUNKS)
+    tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    # pass 1: the mass of each chunk (negative and NaN entries weigh 0), where find_chunk reads it
+    total = 0.0
+    for start in range(0, V, BLOCK_CHUNKS * CHUNK):
+        offs = start + tile
+        w = tl.load(probs_row + offs, mask=offs < V, other=0.0).to(tl.float32)
+        mass = tl.sum(tl.where(w > 0.0, w, 0.0), axis=1)
+        chunk = start // CHUNK + local
+        tl.store(fscratch_row + 2 * NCH_P2 + chunk, mass, mask=chunk < n_chunks)
+        total += tl.sum(mass, axis=0)
+    tl.debug_barrier()
+    u = _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX)
+    chunk, t_in = find_chunk(fscratch_row, V, u * total, CHUNK, NCH_P2)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    w = tl.load(probs_row + offs, mask=offs < V, other=0.0).to(tl.float32)
+    idx, _ = invert(tl.where(w > 0.0, w, 0.0), t_in)
+    tl.store(tokens_ptr + row, (chunk * CHUNK + idx).to(tl.int64))
+
+
+def sample(
+    probs: Tensor,
+    seed: Tensor | None = None,
+    offset: Tensor | None = None,
+    index: Tensor | None = None,
+    u: Tensor | None = None,
+    *,
+    chunk: int = 64,
+    num_warps: int = 8,
+) -> Tensor:
+    """One categorical draw per row by inversion (the kernel of :func:`specsampler.sample`).
+
+    Args:
+        probs: float ``[R, V]``, rows contiguous; non-negative weights, need not be normalised
+            (negative and NaN entries weigh 0: the reference leaves such rows unspecified).
+        seed, offset, index: int64 ``[R]`` (Philox, as in :func:`sample_from_logits`), or
+        u: float32 ``[R]``, precomputed uniforms.
+        chunk, num_warps: tuning.
+    Returns:
+        int64 ``[R]`` in ``[0, V)``: the first id whose cumulative weight exceeds ``u * total``, not past
+        the last positive weight (0 for a row without mass).
+    """
+    R, V = probs.shape
+    philox, seed, offset, index, u = _randomness(R, seed, offset, index, u, probs.device)
+    tokens = torch.empty(R, dtype=torch.int64, device=probs.device)
+    if R == 0:
+        return tokens
+    cfg = row_config(V, chunk=chunk)
+    fscratch = torch.empty(R, 3 * cfg["NCH_P2"], dtype=torch.float32, device=probs.device)  # as row_scratch's
+    _sample_kernel[(R,)](probs, probs.stride(0), seed, offset, index, u, tokens, fscratch, V, PHILOX=philox,
+                         CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"],
+                         num_warps=num_warps)
+    return tokens

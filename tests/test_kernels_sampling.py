@@ -1,0 +1,260 @@
+"""The sampling kernels (run in the Triton interpreter without a GPU) against specsampler.sample_from_logits / sample.
+
+Kernel and reference draw from the same random streams (in-kernel Philox at the documented
+counters, or the uniforms a torch.Generator gives the reference, passed in), so tokens must be
+identical. Their sums are taken in other orders: a draw or a top-p cut within float rounding of a
+boundary could differ; the random cases below hit none, so no mismatch is allowed. Small
+``chunk``/``cand`` configurations push rows through every path of the kernel (candidates in
+registers, the pivot search, the pass over ties) on small vocabularies.
+"""
+
+import math
+
+import pytest
+import torch
+
+import specsampler as ss
+from specsampler import SamplingParams as SP
+from specsampler.kernels import sampling as ksampling
+from specsampler.rng import STREAM_SAMPLE, uniform
+
+VOCABS = [1, 2, 5, 17, 64, 65, 100, 130, 257, 300]
+
+
+def _row_params(params: SP, B: int, M: int):
+    rp = params.rows("test", B, M, torch.device("cpu"), False)
+    return rp.temperature, rp.top_k, rp.top_p, rp.min_p
+
+
+def _kernel(logits, params, rng, vocab_mask=None, chunk=64, cand=256):
+    """The kernel on logits ``[B, V]`` or ``[B, M, V]``, with rng a Philox or a torch.Generator (whose
+    uniforms are drawn here exactly as the reference draws them)."""
+    B, V = logits.shape[0], logits.shape[-1]
+    M = logits.numel() // (B * V)
+    rows = logits.reshape(B * M, V)
+    mask = None if vocab_mask is None else vocab_mask.expand(logits.shape).reshape(B * M, V).contiguous()
+    kw = dict(chunk=chunk, cand=cand)
+    if isinstance(rng, ss.Philox):
+        seed, offset = rng.keys("test", B, logits.device)
+        index = torch.arange(M).repeat(B)
+        out = ksampling.sample_from_logits(rows, *_row_params(params, B, M), mask, seed.repeat_interleave(M),
+                                           offset.repeat_interleave(M), index, **kw)
+    else:
+        u = uniform(rng, "test", B, M, STREAM_SAMPLE, logits.device).reshape(-1)
+        out = ksampling.sample_from_logits(rows, *_row_params(params, B, M), mask, u=u, **kw)
+    return out[0].view(logits.shape[:-1]), out[1].view(logits.shape[:-1])
+
+
+def _reference(logits, params, rng, vocab_mask=None):
+    out = ss.sample_from_logits(logits, params, rng, vocab_mask=vocab_mask)
+    return out.tokens, out.logprobs
+
+
+def _no_mass_nucleus_rows(logits, params, vocab_mask, B, M, V):
+    """Rows without an allowed finite logit whose params are top-p alone, for V > 64: the reference
+    gives them logprob 0 (its large-nucleus path takes the argmax as a nucleus of mass 1), the
+    kernel -inf, like every other row without mass (logits_to_probs documents such rows as all 0)."""
+    x = logits.float()
+    if vocab_mask is not None:
+        x = x.masked_fill(~vocab_mask.expand(logits.shape), -math.inf)
+    none = ~torch.isfinite(x.reshape(B * M, V)).any(-1)
+    t, k, p, _ = _row_params(params, B, M)
+    nucleus = (t != 0) & ((k <= 0) | (k >= V)) & (p < 1)
+    return (none & nucleus & (V > 64)).view(logits.shape[:-1])
+
+
+def _streams(B, seed, which):
+    """(reference rng, kernel rng) pairs: a Philox stream (shared) and/or two equal torch.Generators."""
+    philox = ss.Philox(torch.arange(B) * 7919 + seed, torch.arange(B) % 3 + seed)
+    pairs = {"philox": (philox, philox),
+             "generator": (torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed))}
+    return [pairs[w] for w in (("philox", "generator") if which == "both" else (which,))]
+
+
+def _check(logits, params, label, vocab_mask=None, seed=0, chunk=64, cand=256, streams="both"):
+    """Kernel and reference on the same streams: same tokens, close logprobs."""
+    B, V = logits.shape[0], logits.shape[-1]
+    M = logits.numel() // (B * V)
+    for ref_rng, ker_rng in _streams(B, seed, streams):
+        tokens, logprobs = _kernel(logits, params, ker_rng, vocab_mask, chunk, cand)
+        ref_tokens, ref_logprobs = _reference(logits, params, ref_rng, vocab_mask)
+        what = f"{label} [{type(ref_rng).__name__}, chunk {chunk}, cand {cand}]"
+        assert torch.equal(tokens, ref_tokens), f"{what}: tokens\n{tokens}\n!= reference\n{ref_tokens}"
+        quirk = _no_mass_nucleus_rows(logits, params, vocab_mask, B, M, V)
+        assert torch.all(logprobs[quirk] == -math.inf), what
+        torch.testing.assert_close(logprobs[~quirk], ref_logprobs[~quirk], rtol=1e-4, atol=1e-5, msg=what)
+
+
+def _random_logits(g, shape, kind):
+    if kind == "ties":  # integer-valued: many exact ties, also at the top-k / top-p cuts
+        return torch.randint(-3, 3, shape, generator=g).float()
+    if kind == "peaked":
+        x = torch.randn(shape, generator=g)
+        return x + 12.0 * (torch.rand(shape, generator=g) < 0.02)
+    scale = float(torch.empty(1).uniform_(0.3, 8.0, generator=g))
+    return torch.randn(shape, generator=g) * scale
+
+
+def _random_params(g, B, V):
+    """Per-request params mixing greedy, top-k, top-p, both, min-p and nothing (and k out of range)."""
+    kind = torch.randint(0, 7, (B,), generator=g)
+    temperature = torch.where(kind == 0, 0.0, torch.empty(B).uniform_(0.3, 2.5, generator=g))
+    top_k = torch.where(torch.rand(B, generator=g) < 0.5, torch.randint(1, 12, (B,), generator=g),
+                        torch.randint(-1, V + 3, (B,), generator=g))  # often small: the candidate list
+    top_k = torch.where((kind == 1) | (kind == 3) | (kind == 6), top_k.clamp(min=1), 0)
+    top_p = torch.where((kind == 2) | (kind == 3) | (kind == 6), torch.empty(B).uniform_(0.05, 0.99, generator=g), 1.0)
+    min_p = torch.where((kind == 4) | (kind == 6), torch.empty(B).uniform_(0.0, 0.4, generator=g), 0.0)
+    return SP(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def _random_mask(g, shape):
+    mask = torch.rand(shape, generator=g) < 0.85
+    mask[..., 0, :] &= torch.rand(1, generator=g) < 0.7  # sometimes a whole row masked out
+    return mask
+
+
+@pytest.mark.parametrize("chunk, cand", [(8, 16), (4, 32)])
+def test_kernel_draws_the_reference_tokens_on_random_rows(chunk, cand):
+    g = torch.Generator().manual_seed(chunk * 1000 + cand)
+    for case in range(12):
+        V = VOCABS[int(torch.randint(0, len(VOCABS), (1,), generator=g))]
+        B = int(torch.randint(1, 4, (1,), generator=g))
+        shape = (B, V) if case % 3 else (B, 2, V)  # [B, V] and [B, K+1, V] (draw index = row in the request)
+        kind = ("normal", "ties", "peaked")[case % 3]
+        logits = _random_logits(g, shape, kind)
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[case % 4 % 3]
+        mask = _random_mask(g, shape) if case % 2 else None
+        params = _random_params(g, B, V)
+        _check(logits.to(dtype), params, f"case {case}: {kind} {dtype} {shape} {params}", mask, case, chunk, cand,
+               ("philox", "generator")[case % 2])
+
+
+def test_kernel_with_the_default_configuration_matches_the_reference():
+    # the GPU configuration (chunks of 64, 256 candidates): top-k + top-p and a small nucleus in registers
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 1000, generator=g) * 3
+    params = SP(temperature=torch.tensor([0.9, 1.0, 0.0, 1.4, 0.7]), top_k=torch.tensor([50, 0, 0, 0, 0]),
+                top_p=torch.tensor([0.95, 0.6, 1.0, 1.0, 1.0]), min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1]))
+    _check(logits, params, "default configuration", None, 0, 64, 256, "philox")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SP(temperature=0.0), SP(top_k=40), SP(top_k=7, top_p=0.6), SP(top_p=0.97), SP(top_p=0.3, temperature=0.5),
+     SP(min_p=0.05), SP(temperature=1.7), SP(top_k=90, top_p=0.9, min_p=0.02)],
+    ids=["greedy", "top_k", "top_k_top_p", "large_nucleus", "small_nucleus", "min_p", "plain", "all"],
+)
+def test_kernel_matches_the_reference_for_each_kind_of_row(params):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 300, generator=g) * 2
+    _check(logits, params, str(params), None, 1, 8, 16, "philox")
+    _check(logits, params, str(params), None, 2, 32, 64, "generator")
+
+
+def test_ties_across_the_cut_go_to_the_lower_ids():
+    # 40 tokens tie at the top (more than the candidate list holds): top-k and top-p keep the lowest ids
+    x = torch.full((1, 200), -1.0)
+    x[0, torch.randperm(200, generator=torch.Generator().manual_seed(0))[:40]] = 2.0
+    logits = x.expand(6, 200).contiguous()
+    params = SP(top_k=torch.tensor([3, 25, 40, 41, 0, 0]), top_p=torch.tensor([1.0, 1.0, 0.9, 1.0, 0.3, 0.77]))
+    _check(logits, params, "ties", None, 2, 8, 16, "philox")
+    _check(logits, params, "ties", None, 3, 16, 64, "generator")
+
+
+def test_rows_without_an_allowed_token_draw_0_with_logprob_minus_inf():
+    logits = torch.randn(5, 130)
+    mask = torch.zeros(5, 130, dtype=torch.bool)  # every row fully masked
+    params = SP(temperature=torch.tensor([0.0, 1.0, 1.0, 0.8, 1.2]), top_k=torch.tensor([0, 0, 5, 0, 3]),
+                top_p=torch.tensor([1.0, 1.0, 0.7, 0.9, 1.0]), min_p=torch.tensor([0.0, 0.3, 0.0, 0.0, 0.0]))
+    for chunk, cand in ((64, 32), (8, 16)):
+        for x, m in ((logits, mask), (torch.full((5, 130), -math.inf), None)):
+            tokens, logprobs = _kernel(x, params, ss.Philox(3), m, chunk, cand)
+            assert tokens.tolist() == [0] * 5
+            assert torch.all(logprobs == -math.inf)
+            assert torch.equal(tokens, _reference(x, params, ss.Philox(3), m)[0])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and inf in the interpreter's numpy
+def test_outputs_stay_in_range_on_degenerate_rows():
+    V = 70
+    rows = torch.tensor([[math.nan] * V, [math.inf] + [0.0] * (V - 1), [1e30, -1e30] + [0.0] * (V - 2),
+                         [math.nan, 1.0] + [-math.inf] * (V - 2)])
+    rows = rows.repeat(5, 1)  # each with: plain, greedy, top-k, top-p, min-p + top-k + top-p
+    params = SP(temperature=torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0]).repeat_interleave(4),
+                top_k=torch.tensor([0, 0, 3, 0, 3]).repeat_interleave(4),
+                top_p=torch.tensor([1.0, 1.0, 1.0, 0.5, 0.5]).repeat_interleave(4),
+                min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5]).repeat_interleave(4))
+    tokens, _ = _kernel(rows, params, ss.Philox(1), chunk=8, cand=16)
+    assert ((tokens >= 0) & (tokens < V)).all()
+
+
+def test_large_vocabulary_rows_use_bigger_chunks():
+    # 2048 chunks at most: V = 4 * 2048 + 3 with chunk 2 is read in chunks of 8
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 4 * 2048 + 3, generator=g) * 4
+    params = SP(temperature=torch.tensor([1.0, 0.7]), top_k=torch.tensor([0, 5]), top_p=torch.tensor([0.9, 0.8]))
+    _check(logits, params, "large V", None, 0, 2, 32)
+
+
+def test_strided_rows_are_read_in_place():
+    g = torch.Generator().manual_seed(6)
+    wide = torch.randn(4, 150, generator=g)
+    logits = wide[:, :100]
+    assert not logits.is_contiguous()
+    params = SP(temperature=torch.tensor([1.0, 0.0, 1.3, 0.9]), top_k=torch.tensor([0, 0, 9, 0]),
+                top_p=torch.tensor([1.0, 1.0, 0.8, 0.6]))
+    rp = _row_params(params, 4, 1)
+    seed, offset = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    tokens, _ = ksampling.sample_from_logits(logits, *rp, None, seed, offset, torch.zeros(4, dtype=torch.int64),
+                                             chunk=8, cand=16)
+    assert torch.equal(tokens, _reference(logits.contiguous(), params, ss.Philox(seed, offset))[0])
+
+
+def test_launchers_take_philox_keys_or_uniforms_not_both():
+    logits = torch.randn(2, 10)
+    rp = _row_params(SP(), 2, 1)
+    keys = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="either seed, offset and index"):
+        ksampling.sample_from_logits(logits, *rp, None, keys, keys, keys, torch.rand(2))
+    with pytest.raises(ValueError, match="either seed, offset and index"):
+        ksampling.sample(logits.softmax(-1))
+    tokens, logprobs = ksampling.sample_from_logits(logits[:0], *(t[:0] for t in rp), u=torch.rand(0))
+    assert tokens.shape == logprobs.shape == (0,)
+
+
+@pytest.mark.parametrize("V", [1, 7, 300, 1024, 1536])  # 1024 and 1536: the reference inverts in two steps
+def test_sample_kernel_draws_the_reference_tokens(V):
+    g = torch.Generator().manual_seed(V)
+    B = 6
+    probs = torch.softmax(torch.randn(B, V, generator=g) * 3, -1)
+    probs *= torch.rand(B, V, generator=g) < 0.6  # zeros, unnormalised rows
+    probs[0] = 0.0  # no mass: token 0
+    probs[1, : V // 2] = 0.0
+    for chunk in (64, 4):
+        seed, offset = torch.arange(B) * 31, torch.full((B,), 2)
+        tokens = ksampling.sample(probs, seed, offset, torch.zeros(B, dtype=torch.int64), chunk=chunk)
+        assert torch.equal(tokens, ss.sample(probs, ss.Philox(seed, offset))), (V, chunk)
+        u = uniform(torch.Generator().manual_seed(V), "test", B, 1, STREAM_SAMPLE, probs.device).reshape(-1)
+        tokens = ksampling.sample(probs, u=u, chunk=chunk)
+        assert torch.equal(tokens, ss.sample(probs, torch.Generator().manual_seed(V))), (V, chunk)
+        assert tokens[0] == 0
+        assert (probs[torch.arange(B), tokens][1:] > 0).all()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_sample_kernel_stays_in_range_on_bad_probabilities():
+    V = 9
+    probs = torch.tensor([[0.0] * V, [math.nan] * V, [-1.0] * V, [math.inf] + [1.0] * (V - 1), [-1.0, 2.0] * 4 + [0.0]])
+    for chunk in (64, 4):
+        tokens = ksampling.sample(probs, u=torch.rand(5), chunk=chunk)
+        assert ((tokens >= 0) & (tokens < V)).all()
+        assert tokens[4] % 2 == 1  # negative entries weigh 0
+
+
+def test_draw_index_is_the_row_inside_the_request():
+    # [B, K+1, V]: row i of request b draws Philox index i; the rows of a request differ
+    logits = torch.zeros(2, 3, 50)
+    seed, offset = torch.tensor([5, 9]), torch.tensor([0, 4])
+    tokens, _ = _kernel(logits, SP(), ss.Philox(seed, offset), chunk=8, cand=16)
+    assert torch.equal(tokens, _reference(logits, SP(), ss.Philox(seed, offset))[0])
+    assert len(set(tokens[0].tolist())) > 1 or len(set(tokens[1].tolist())) > 1
