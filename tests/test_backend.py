@@ -116,3 +116,29 @@ def test_sampling_gives_the_same_tokens_on_both_back_ends(monkeypatch):
         torch.testing.assert_close(got.logprobs, ref.logprobs)
         ref, got = _both(monkeypatch, lambda seeded=seeded: ss.sample(probs, seeded()))
         assert torch.equal(got, ref)
+
+
+def test_the_kernel_ops_trace_whole_under_torch_compile_fullgraph(monkeypatch):
+    """The ops are torch custom ops with fake implementations: dynamo traces the Python around
+    them without a graph break (aot_eager here; on a GPU, tests/test_gpu.py compiles with inductor)."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(10)
+    B, K, V = 3, 2, 40
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 3, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
+    x, logits = p[:, :K].argmax(-1), torch.randn(B, V, generator=g)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]] * B))
+    xt = torch.randint(0, V, (B, 4), generator=g)
+    params = ss.SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+
+    def step(p, x, q, logits, xt, seed, offset):
+        rng = ss.Philox(seed, offset)
+        chain = ss.verify_chain(p, x, q, method="token", rng=rng)
+        tree_res = ss.verify_tree(p[:, :1].expand(B, 4, V), xt, tree, method="target_only", rng=rng)
+        return chain.tokens, tree_res.tokens, ss.sample_from_logits(logits, params, rng).tokens
+
+    args = (p, x, q, logits, xt, torch.arange(B), torch.full((B,), 4))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(*args), step(*args)):
+        assert torch.equal(got, want)

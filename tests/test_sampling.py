@@ -95,6 +95,18 @@ def test_vocab_mask_applies_before_everything_else():
     torch.testing.assert_close(out[0, 1:4], torch.softmax(logits[0, 1:4], -1))
 
 
+@pytest.mark.parametrize("params", [SP(top_p=0.9), SP(top_k=5), SP(top_k=5, top_p=0.9), SP(min_p=0.2), SP()])
+def test_a_row_with_every_token_masked_has_no_mass_whatever_the_filters(params):
+    V = 200  # wide enough for the nucleus search (more than 64 tokens)
+    logits = torch.randn(2, V)
+    mask = torch.ones(2, V, dtype=torch.bool)
+    mask[1] = False
+    probs = ss.logits_to_probs(logits, params, mask)
+    assert probs[1].sum() == 0 and probs[0].sum().item() == pytest.approx(1.0)
+    out = ss.sample_from_logits(logits, params, ss.Philox(1), mask)
+    assert out.tokens[1].item() == 0 and out.logprobs[1].item() == float("-inf") and out.logprobs[0] > -float("inf")
+
+
 def test_vocab_mask_broadcasts_over_positions():
     logits = torch.randn(2, 3, 6)
     mask = torch.tensor([True, False, True, True, False, True])

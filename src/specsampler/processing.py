@@ -415,8 +415,8 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     done = w_max[:, 0] >= target  # a token that alone reaches top-p is the nucleus
     if bool(done.any()):
         sub = _rows_where(done)
-        ones = torch.ones(r if sub is None else sub.numel(), 1, device=x.device)
-        parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], ones))
+        mass = (_take(z, sub) > 0).float()[:, None]  # 1, or 0 for a row without mass (no finite logit)
+        parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], mass))
         if sub is None:
             return parts
     lb, likely, size = _nucleus_bound(w, w_max, target, z, chunk_max)
