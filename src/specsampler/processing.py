@@ -398,8 +398,11 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
     w = SCRATCH.get("weights", (r, V), torch.float32, x.device)
     if logits:  # normalised weights, computed in the scratch buffer: each row's mass is 1
-        scaled = SCRATCH.get("scaled", (r, V), torch.float32, x.device)
-        torch.softmax(torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled), -1, out=w)
+        scaled = x  # divided by the temperature where it is not 1, in a scratch buffer
+        if not bool((rp.temperature == 1).all()):
+            scaled = SCRATCH.get("scaled", (r, V), torch.float32, x.device)
+            torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled)
+        torch.softmax(scaled, -1, out=w)
         z = torch.ones(r, device=x.device)
         finite = torch.isfinite((x if chunk_max is None else chunk_max).amax(-1))
         if not bool(finite.all()):
