@@ -65,7 +65,7 @@ def _row(src, held_row, held, div, offs, mask):
     """A row at ``offs`` (0 outside ``mask``): read in place at ``src`` while ``held`` is 0, else
     ``held_row / div`` from the scratch buffer. Only the source in use is loaded."""
     a = tl.load(src + offs, mask=tl.where(held == 0, mask, False), other=0.0).to(tl.float32)
-    w = tl.load(held_row + offs, mask=tl.where(held != 0, mask, False), other=0.0)
+    w = tl.load(held_row + offs, mask=tl.where(held != 0, mask, False), other=0.0).to(tl.float32)
     return tl.where(held != 0, tl.div_rn(w, div), a)
 
 
