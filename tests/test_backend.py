@@ -142,3 +142,45 @@ def test_the_kernel_ops_trace_whole_under_torch_compile_fullgraph(monkeypatch):
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for got, want in zip(compiled(*args), step(*args)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("method", ["token", "target_only"])
+def test_verify_chain_from_logits_gives_the_same_result_on_both_back_ends(monkeypatch, method):
+    """The dispatch (each method's kernel is checked in test_kernels_chain_logits.py)."""
+    g = torch.Generator().manual_seed(11)
+    B, K, V = 4, 3, 90
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1) if method in ("token", "block") else None
+    x = torch.where(torch.rand(B, K, generator=g) < 0.8, logits[:, :K].argmax(-1), torch.randint(0, V, (B, K),
+                                                                                                  generator=g))
+    params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.8, 1.0, 1.2]), top_k=torch.tensor([0, 10, 0, 40]),
+                               top_p=torch.tensor([1.0, 0.9, 0.85, 1.0]))
+    mask = torch.rand(B, 1, V, generator=g) < 0.95
+    for rng in (ss.Philox(torch.arange(B) * 5, 3), None):
+        seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(4))
+        ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_chain_from_logits(
+            logits, x, params, draft_probs=q, method=method, rng=seeded(), vocab_mask=mask))
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.num_accepted, ref.num_accepted)
+        torch.testing.assert_close(got.expected_accepted, ref.expected_accepted)
+
+
+@pytest.mark.parametrize("method, drafting", [("target_only", "iid"), ("traversal", "without_replacement")])
+def test_verify_tree_from_logits_gives_the_same_result_on_both_back_ends(monkeypatch, method, drafting):
+    """The dispatch (each method's kernel is checked in test_kernels_tree_logits.py)."""
+    g = torch.Generator().manual_seed(12)
+    B, V = 3, 70
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1, 2, 3]] * B))
+    N = tree.size
+    logits = torch.randn(B, N, V, generator=g) * 3
+    x = torch.randint(0, V, (B, N), generator=g)
+    x[:, 1], x[:, 3], x[:, 5] = logits[:, 0].argmax(-1), logits[:, 1].argmax(-1), logits[:, 3].argmax(-1)
+    q = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1) if method in ("rrs", "traversal") else None
+    params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.7, 1.0]), top_k=torch.tensor([0, 8, 0]),
+                               top_p=torch.tensor([1.0, 0.9, 0.8]))
+    mask = torch.rand(B, 1, V, generator=g) < 0.95
+    for rng in (ss.Philox(torch.arange(B) * 5, 3), None):
+        seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(4))
+        ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_tree_from_logits(
+            logits, x, tree, params, draft_probs=q, method=method, draft_sampling=drafting, rng=seeded(),
+            vocab_mask=mask))
+        assert torch.equal(got.path, ref.path) and torch.equal(got.tokens, ref.tokens)

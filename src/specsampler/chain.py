@@ -42,7 +42,7 @@ from .kernels import use_triton
 from .params import SamplingParams
 from .processing import Processed, process, sample_by_inversion
 from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
-from .sampling import logit_rows
+from .sampling import logit_inputs, logit_rows
 from .validation import (
     check_device,
     check_logits_values,
@@ -245,6 +245,28 @@ def _verify_kernel(c: _Chain, target_probs: Tensor, rng, op: str) -> ChainResult
     return ChainResult(tokens, n, expected)
 
 
+def _verify_from_logits_kernel(c: _Chain, logits: Tensor, params, vocab_mask, full: bool, rng, op: str) -> ChainResult:
+    """:func:`verify_chain_from_logits` by its Triton kernel (the same draws as the reference)."""
+    from .kernels import ops
+
+    rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full)
+    if mask is not None and mask.stride(-1) != 1:  # the kernel reads rows of the mask
+        mask = mask.contiguous()
+    streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
+    u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
+    tokens, n = ops.verify_chain_from_logits(logits, c.x_raw, c.q, c.num_drafts, c.method, rp.temperature, rp.top_k,
+                                             rp.top_p, rp.min_p, mask, seed, offset, u_accept, u_sample)
+
+    def expected() -> Tensor:
+        x, rp_rows, _, _ = logit_rows(op, logits, params, vocab_mask, False)
+        if c.method == "greedy":
+            return _expected(c, None, n)
+        return _expected(c, process(x, rp_rows, logits=True), n)
+
+    return ChainResult(tokens, n, expected)
+
+
 def _result(c: _Chain, n: Tensor, y: Tensor, expected: Callable[[], Tensor]) -> ChainResult:
     pos = torch.arange(c.K + 1, device=n.device)
     drafts = torch.nn.functional.pad(c.x_raw, (0, 1), value=-1)
@@ -330,6 +352,8 @@ def verify_chain_from_logits(
     full = check_mode(op, validate)
     check_rng(op, rng)
     c = _check_chain(op, target_logits, "target_logits", draft_tokens, draft_probs, num_drafts, method, full, True)
+    if use_triton(target_logits.device):
+        return _verify_from_logits_kernel(c, target_logits, params, vocab_mask, full, rng, op)
     x, rp, _, _ = logit_rows(op, target_logits, params, vocab_mask, full)
     if c.method == "greedy":
         return _verify(c, None, x.argmax(-1).view(c.B, c.K + 1), rng, op)

@@ -12,9 +12,11 @@ import torch
 from torch import Tensor
 
 from . import chain as _chain
+from . import chain_logits as _chain_logits
 from . import mlc as _mlc
 from . import sampling as _sampling
 from . import tree as _tree
+from . import tree_logits as _tree_logits
 
 
 @torch.library.custom_op("specsampler::verify_chain", mutates_args=())
@@ -89,3 +91,41 @@ def sample(probs: Tensor, seed: Tensor | None, offset: Tensor | None, index: Ten
 @sample.register_fake
 def _(probs, seed, offset, index, u):
     return probs.new_empty((probs.shape[0],), dtype=torch.int64)
+
+
+@torch.library.custom_op("specsampler::verify_chain_from_logits", mutates_args=())
+def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None,
+                             num_drafts: Tensor, method: str, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                             min_p: Tensor, vocab_mask: Tensor | None, seed: Tensor | None, offset: Tensor | None,
+                             u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:func:`specsampler.kernels.chain_logits.verify_chain_from_logits`: tokens ``[B, K+1]``, num_accepted ``[B]``."""
+    return _chain_logits.verify_chain_from_logits(target_logits, draft_tokens, draft_probs, num_drafts, method,
+                                                  temperature, top_k, top_p, min_p, vocab_mask, seed, offset,
+                                                  u_accept, u_sample)
+
+
+@verify_chain_from_logits.register_fake
+def _(target_logits, draft_tokens, draft_probs, num_drafts, method, temperature, top_k, top_p, min_p, vocab_mask,
+      seed, offset, u_accept, u_sample):
+    B, K1 = target_logits.shape[0], target_logits.shape[1]
+    return (target_logits.new_empty((B, K1), dtype=torch.int64), target_logits.new_empty((B,), dtype=torch.int64))
+
+
+@torch.library.custom_op("specsampler::verify_tree_from_logits", mutates_args=())
+def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
+                            draft_probs: Tensor | None, method: str, draft_sampling: str, max_depth: int,
+                            temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                            vocab_mask: Tensor | None, seed: Tensor | None, offset: Tensor | None,
+                            u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`specsampler.kernels.tree_logits.verify_tree_from_logits`: path ``[B, D+1]``, num_accepted, y ``[B]``."""
+    return _tree_logits.verify_tree_from_logits(target_logits, draft_tokens, first_child, next_sibling, draft_probs,
+                                                method, draft_sampling, max_depth, temperature, top_k, top_p, min_p,
+                                                vocab_mask, seed, offset, u_accept, u_sample)
+
+
+@verify_tree_from_logits.register_fake
+def _(target_logits, draft_tokens, first_child, next_sibling, draft_probs, method, draft_sampling, max_depth,
+      temperature, top_k, top_p, min_p, vocab_mask, seed, offset, u_accept, u_sample):
+    B = target_logits.shape[0]
+    new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int64)  # noqa: E731
+    return new(B, max_depth + 1), new(B), new(B)

@@ -1,0 +1,411 @@
+"""Chain verification from logits: one Triton program per request (see :func:`specsampler.verify_chain_from_logits`).
+
+The target at position i of request b is row i of its logits processed by its parameters (vocab mask,
+temperature (0 = greedy), top-k, top-p, min-p): the program describes each row it needs with
+:func:`specsampler.kernels.rows.describe_row` (no sort of the vocabulary; one pass over the row in
+the common cases, the kept tokens then held in registers) and walks its chain from position 0 as the
+kernel of :mod:`specsampler.kernels.chain` does, so rows after the position where the request stops
+are never read (logits, mask or draft probabilities).
+
+- ``token``: per position, the row's descriptor and ``p_i(x_i)`` (from the registers, or one
+  logit), ``q_i(x_i)``; at the stop position the residual ``max(p - q, 0)`` (or ``p``): built from
+  the kept tokens in registers (``q`` gathered there, since the residual is 0 where ``p`` is), else
+  one pass for its mass and one search pass that stops at the token found.
+- ``block``: per draft position ``i > 0`` also ``S_i`` (in registers, or one pass over the row and
+  ``q_i``); positions after ``a_i`` drops to 0 are not read; the bonus row only when ``tau`` is it.
+- ``target_only``: per position the row's descriptor and the draw of
+  :func:`specsampler.kernels.rows.draw` (the draw of :func:`specsampler.sample_from_logits`, token
+  for token), compared with the draft.
+- ``greedy``: per position one argmax pass over the masked logits (the parameters are not read).
+
+Draws from ``p`` and residuals are by inversion as in :mod:`specsampler.kernels.chain` (the first id of
+positive weight whose cumulative weight exceeds ``u * total``, else the last id of positive weight, 0
+for a row without mass), with ``p = kept weight / z`` as the reference normalises it. Sums are taken
+in another order than torch's, so a draw or an acceptance test can differ from the reference's only
+where float rounding decides.
+
+Randomness (:mod:`specsampler.rng`): ``u_i`` (token) is ``STREAM_ACCEPT`` index ``i + 1``, ``eta_i``
+(block) index ``i``, the draw at position ``i`` ``STREAM_SAMPLE`` index ``i``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
+from .chain import METHODS, _draft, _ratio, _uniform
+from .rows import describe_row, draw, kept_weights, load_logits, row_config, row_scratch, scan_row, token_weight
+
+_SAMPLE = tl.constexpr(STREAM_SAMPLE)
+_ACCEPT = tl.constexpr(STREAM_ACCEPT)
+_TINY = tl.constexpr(1.1754943508222875e-38)  # the reference normalises by max(sum, tiny)
+
+
+@triton.jit
+def _describe(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+              iscratch_row, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+              NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
+              SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    """:func:`describe_row` of the row with parameters at index ``r``, with fixed types (loop-carried values)."""
+    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
+        logits_row, mask_row, V, tl.load(temperature_ptr + r), tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
+        tl.load(min_p_ptr + r), fscratch_row, iscratch_row,
+        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+    f = tl.full((), 0.0, tl.float32)
+    i = tl.full((), 0, tl.int32)
+    return (m + f, inv_t + f, tau + f, (id_cut + i).to(tl.int32), w_min + f, z + f, (in_regs + i).to(tl.int32),
+            cand_ids.to(tl.int32), cand_w.to(tl.float32))
+
+
+@triton.jit
+def _prob(x, logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w,
+          HAS_MASK: tl.constexpr):
+    """The processed probability of token ``x`` (an int32 scalar, -1 = none: 0) in a described row."""
+    w = tl.full((), 0.0, tl.float32)
+    if in_regs != 0:
+        w = tl.sum(tl.where(cand_ids == x, cand_w, 0.0), axis=0)
+    else:
+        w = token_weight(logits_row, mask_row, V, x, m, inv_t, tau, id_cut, w_min, HAS_MASK)
+    return w / tl.maximum(z, _TINY)
+
+
+@triton.jit
+def _cand_weights(cand_ids, cand_w, z, q_row, a, use_q, V):
+    """At the kept tokens held in registers: ``max(a * p - q, 0)`` (``p`` when not ``use_q`` and ``a = 1``);
+    elsewhere it is 0, as ``p`` is. ``q`` is read only when ``use_q``."""
+    p = cand_w / tl.maximum(z, _TINY)
+    inside = cand_ids < V
+    q = tl.load(q_row + tl.where(inside, cand_ids, 0), mask=inside & (cand_ids < tl.where(use_q, V, 0)), other=0.0)
+    return tl.maximum(a * p - q.to(tl.float32), 0.0)
+
+
+@triton.jit
+def _row_weights(logits_row, mask_row, q_row, offs, V, m, inv_t, tau, id_cut, w_min, z, a, use_q,
+                 HAS_MASK: tl.constexpr):
+    """:func:`_cand_weights` at ``offs`` (a block of a whole row; 0 from V on)."""
+    x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
+    p = kept_weights(x, offs, m, inv_t, tau, id_cut, w_min) / tl.maximum(z, _TINY)
+    q = tl.load(q_row + offs, mask=offs < tl.where(use_q, V, 0), other=0.0).to(tl.float32)
+    return tl.maximum(a * p - q, 0.0)
+
+
+@triton.jit
+def _stop_mass(a, use_q, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row, q_row,
+               V, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Mass of ``max(a * p - q, 0)`` (or of ``p``) and the last id of positive weight (0 if none): from the
+    registers, or one pass over the row (block by block, as :func:`_stop_pick` accumulates it)."""
+    total = tl.full((), 0.0, tl.float32)
+    last = tl.full((), 0, tl.int32)
+    if in_regs != 0:
+        w = _cand_weights(cand_ids, cand_w, z, q_row, a, use_q, V)
+        total = tl.sum(w, axis=0)
+        last = tl.max(tl.where(w > 0, cand_ids, 0), axis=0)
+    else:
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            w = _row_weights(logits_row, mask_row, q_row, offs, V, m, inv_t, tau, id_cut, w_min, z, a, use_q,
+                             HAS_MASK)
+            last = tl.maximum(last, tl.max(tl.where(w > 0, offs, 0), axis=0))
+            total += tl.sum(w, axis=0)
+    return total, last
+
+
+@triton.jit
+def _stop_pick(t, last, a, use_q, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row,
+               q_row, V, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The first id of positive weight whose cumulative weight (of :func:`_stop_mass`'s weights) exceeds ``t``,
+    else ``last``. Blocks after the one holding the token are not read."""
+    y = last
+    if in_regs != 0:  # candidates in increasing id order: the smallest id past t is the first
+        w = _cand_weights(cand_ids, cand_w, z, q_row, a, use_q, V)
+        first = tl.min(tl.where((w > 0) & (tl.cumsum(w, axis=0) > t), cand_ids, V), axis=0)
+        y = tl.where(first < V, first, last)
+    else:
+        total = tl.full((), 0.0, tl.float32)
+        found = tl.full((), 0, tl.int1)
+        start = 0
+        while (start < V) & (found == 0):
+            offs = start + tl.arange(0, BLOCK_V)
+            w = _row_weights(logits_row, mask_row, q_row, offs, V, m, inv_t, tau, id_cut, w_min, z, a, use_q,
+                             HAS_MASK)
+            first = tl.min(tl.where((w > 0) & (total + tl.cumsum(w, axis=0) > t), offs, V), axis=0)
+            found = first < V
+            y = tl.where(found, first, y)
+            total += tl.sum(w, axis=0)
+            start += BLOCK_V
+    return y
+
+
+@triton.jit
+def _chain_logits_kernel(
+    logits_ptr, mask_ptr, q_ptr, x_ptr, nd_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    seed_ptr, offset_ptr, ua_ptr, us_ptr, tokens_ptr, nacc_ptr, fscratch_ptr, iscratch_ptr,
+    K, V, stride_lb, stride_lk, stride_mb, stride_mk, stride_qb, stride_qk, stride_ua, stride_us,
+    METHOD: tl.constexpr, HAS_MASK: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
+    CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kb = tl.minimum(tl.maximum(tl.load(nd_ptr + b), 0), K).to(tl.int32)
+    seed = 0
+    offset = 0
+    if PHILOX:
+        seed = tl.load(seed_ptr + b)
+        offset = tl.load(offset_ptr + b)
+    l_b = logits_ptr + b * stride_lb
+    m_b = mask_ptr + b * stride_mb
+    q_b = q_ptr + b * stride_qb
+    x_row = x_ptr + b * K
+    ua_row = ua_ptr + b * stride_ua
+    us_row = us_ptr + b * stride_us
+    r_b = b * (K + 1)  # the parameters of row i are at r_b + i
+    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
+    iscratch_row = iscratch_ptr + b * (2 * CAND)
+
+    n = tl.full((), 0, tl.int32)  # accepted drafts
+    y = tl.full((), 0, tl.int32)  # the correction or bonus token
+    # the descriptor of a row (see rows.py): of the row just described, or (block) of row tau
+    d_m = tl.full((), 0.0, tl.float32)
+    d_inv_t = tl.full((), 1.0, tl.float32)
+    d_tau = tl.full((), float("-inf"), tl.float32)
+    d_cut = tl.full((), 0, tl.int32)
+    d_w_min = tl.full((), 0.0, tl.float32)
+    d_z = tl.full((), 0.0, tl.float32)
+    d_regs = tl.full((), 0, tl.int32)
+    d_ids = tl.zeros([CAND], tl.int32)
+    d_w = tl.zeros([CAND], tl.float32)
+    if METHOD == 0:  # token: describe row n and test x_n until the first rejection; the residual (or p) at n
+        go = n >= 0
+        while go:
+            logits_row = l_b + n * stride_lk
+            mask_row = m_b + n * stride_mk
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _describe(
+                logits_row, mask_row, r_b + n, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+            accept = n < 0
+            if n < kb:
+                x = _draft(x_row, n, kb, V)
+                p_x = _prob(x, logits_row, mask_row, V, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                            HAS_MASK)
+                q_x = tl.load(q_b + n * stride_qk + x, mask=x >= 0, other=0.0).to(tl.float32)
+                accept = (x >= 0) & (_uniform(ua_row, seed, offset, n + 1, _ACCEPT, PHILOX) * q_x < p_x)
+            n += accept.to(tl.int32)
+            go = accept
+        logits_row = l_b + n * stride_lk
+        mask_row = m_b + n * stride_mk
+        q_row = q_b + n * stride_qk
+        use_q = n < kb
+        total, last = _stop_mass(1.0, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                                 logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+        if use_q & (total <= 0.0):  # a residual without mass: draw from p itself
+            use_q = n < 0
+            total, last = _stop_mass(1.0, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                                     logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+        t = _uniform(us_row, seed, offset, n, _SAMPLE, PHILOX) * total
+        y = _stop_pick(t, last, 1.0, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                       logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+    elif METHOD == 1:  # block: a_i and h_i forward while a_i > 0, keeping row tau's descriptor; then w_tau or p
+        a = tl.full((), 1.0, tl.float32)  # a_i at the loop's position i
+        a_tau = tl.full((), 1.0, tl.float32)
+        s_tau = tl.full((), 0.0, tl.float32)  # S_tau and the last id of w_tau's support, for tau > 0
+        last_tau = tl.full((), 0, tl.int32)
+        tau = tl.full((), 0, tl.int32)
+        i = tl.full((), 0, tl.int32)
+        go = i < kb
+        while go:
+            logits_row = l_b + i * stride_lk
+            mask_row = m_b + i * stride_mk
+            q_row = q_b + i * stride_qk
+            c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w = _describe(
+                logits_row, mask_row, r_b + i, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+            take = i == 0  # h_0 = 1
+            if i > 0:
+                s, last = _stop_mass(a, i >= 0, c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w,
+                                     logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+                h = tl.where(s > 0, s / tl.where(s > 0, s + 1 - a, 1.0), 0.0)
+                take = _uniform(ua_row, seed, offset, i, _ACCEPT, PHILOX) < h
+                s_tau = tl.where(take, s, s_tau)
+                last_tau = tl.where(take, last, last_tau)
+            tau = tl.where(take, i, tau)
+            a_tau = tl.where(take, a, a_tau)
+            d_m = tl.where(take, c_m, d_m)
+            d_inv_t = tl.where(take, c_inv_t, d_inv_t)
+            d_tau = tl.where(take, c_tau, d_tau)
+            d_cut = tl.where(take, c_cut, d_cut)
+            d_w_min = tl.where(take, c_w_min, d_w_min)
+            d_z = tl.where(take, c_z, d_z)
+            d_regs = tl.where(take, c_regs, d_regs)
+            d_ids = tl.where(take, c_ids, d_ids)
+            d_w = tl.where(take, c_w, d_w)
+            x = _draft(x_row, i, kb, V)
+            ok = x >= 0
+            p_x = _prob(x, logits_row, mask_row, V, c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w,
+                        HAS_MASK)
+            q_x = tl.load(q_row + x, mask=ok, other=0.0).to(tl.float32)
+            a = tl.where(ok, _ratio(a * p_x, q_x), 0.0)
+            i += 1
+            go = (i < kb) & (a > 0)
+        # h at position kb is a_kb (h_0 = 1 when kb = 0); a stop before kb left a = 0 there
+        if (i == kb) & ((_uniform(ua_row, seed, offset, kb, _ACCEPT, PHILOX) < a) | (kb == 0)):
+            tau = kb
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _describe(
+                l_b + kb * stride_lk, m_b + kb * stride_mk, r_b + kb, V, temperature_ptr, top_k_ptr, top_p_ptr,
+                min_p_ptr, fscratch_row, iscratch_row,
+                HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+        logits_row = l_b + tau * stride_lk
+        mask_row = m_b + tau * stride_mk
+        q_row = q_b + tau * stride_qk
+        use_q = tau < kb
+        a_w = tl.where(use_q, a_tau, 1.0)
+        total = s_tau
+        last = last_tau
+        if (tau == 0) | (tau == kb):  # S_0 is not needed for h_0 = 1, the bonus row has none: found only now
+            total, last = _stop_mass(a_w, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                                     logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+        if use_q & (total <= 0.0):  # a residual without mass: draw from p_tau
+            use_q = tau < 0
+            a_w = 1.0
+            total, last = _stop_mass(a_w, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                                     logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+        t = _uniform(us_row, seed, offset, tau, _SAMPLE, PHILOX) * total
+        y = _stop_pick(t, last, a_w, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
+                       logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
+        n = tau
+    elif METHOD == 2:  # target_only: y_n ~ p_n (sample_from_logits' draw) while it equals x_n
+        go = n >= 0
+        while go:
+            logits_row = l_b + n * stride_lk
+            mask_row = m_b + n * stride_mk
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _describe(
+                logits_row, mask_row, r_b + n, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+            u = _uniform(us_row, seed, offset, n, _SAMPLE, PHILOX)
+            drawn, _ = draw(u, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w, logits_row, mask_row,
+                            V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+            y = drawn.to(tl.int32)
+            accept = y == _draft(x_row, n, kb, V)
+            n += accept.to(tl.int32)
+            go = accept
+    else:  # greedy: y_n = argmax of the masked logits (lowest id among ties) while it equals x_n
+        go = n >= 0
+        while go:
+            _, arg = scan_row(l_b + n * stride_lk, m_b + n * stride_mk, V, 1.0, False, fscratch_row,
+                              HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+            y = arg.to(tl.int32)
+            accept = y == _draft(x_row, n, kb, V)
+            n += accept.to(tl.int32)
+            go = accept
+
+    pos = tl.arange(0, BLOCK_K)
+    drafts = tl.load(x_row + pos, mask=pos < n, other=-1)
+    out = tl.where(pos < n, drafts, tl.where(pos == n, y.to(tl.int64), -1))
+    tl.store(tokens_ptr + b * (K + 1) + pos, out, mask=pos <= K)
+    tl.store(nacc_ptr + b, n.to(tl.int64))
+
+
+def _mask_strides(vocab_mask: Tensor | None, target: Tensor) -> tuple[Tensor, int, int]:
+    """(mask as uint8, batch stride, position stride); the logits and zero strides when there is none."""
+    if vocab_mask is None:
+        return target, 0, 0
+    mask = vocab_mask if vocab_mask.stride(-1) == 1 else vocab_mask.contiguous()
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    if mask.dim() == 2:  # [B * (K+1), V], request-major
+        return mask, mask.stride(0) * target.shape[1], mask.stride(0)
+    return mask, mask.stride(0), mask.stride(1)
+
+
+def verify_chain_from_logits(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    num_drafts: Tensor | None,
+    method: str,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    vocab_mask: Tensor | None = None,
+    seed: Tensor | None = None,
+    offset: Tensor | None = None,
+    u_accept: Tensor | None = None,
+    u_sample: Tensor | None = None,
+    *,
+    block_v: int = 4096,
+    chunk: int = 64,
+    cand: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Process the target logits per row and verify one draft chain per request (the kernel of
+    :func:`specsampler.verify_chain_from_logits`).
+
+    Inputs are taken as validated by the reference's checks; nothing here syncs with the host.
+
+    Args:
+        target_logits: float32/bf16/fp16 ``[B, K+1, V]``, last dim contiguous (any batch and
+            position strides): the target's logits at each position; row ``num_drafts[b]`` is the bonus row.
+        draft_tokens: integer ``[B, K]``; an id outside ``[0, V)`` is never accepted.
+        draft_probs: float ``[B, K, V]``, last dim contiguous (``token``, ``block``), else None.
+        num_drafts: integer ``[B]`` in ``[0, K]`` (values outside are clamped), or None for K.
+        method: ``"token"``, ``"block"``, ``"target_only"`` or ``"greedy"``.
+        temperature: float32 ``[B * (K+1)]`` (0 = greedy); top_k: int64 ``[B * (K+1)]`` (<= 0 or >= V:
+            off); top_p: float32 ``[B * (K+1)]`` (>= 1: off); min_p: float32 ``[B * (K+1)]``: the
+            parameters of each row, request-major (row ``b * (K+1) + i``), as
+            :meth:`specsampler.SamplingParams.rows` gives them. ``greedy`` does not read them.
+        vocab_mask: bool (or uint8) ``[B * (K+1), V]`` (request-major) or ``[B, K+1, V]``, True = allowed;
+            any strides but the last dim's, so an ``expand`` of a per-request or per-vocabulary mask
+            needs no copy. None: all allowed.
+        seed, offset: int64 ``[B]``: Philox keys, uniforms computed in the kernel at the counters of
+            :mod:`specsampler.rng` (offset None = 0). When ``seed`` is None the uniforms are given:
+        u_accept: float32 ``[B, K+1]``: ``STREAM_ACCEPT`` uniforms by index (``token`` reads index
+            ``i + 1`` for draft i, ``block`` index ``i``); needed by ``token`` and ``block``.
+        u_sample: float32 ``[B, K+1]``: ``STREAM_SAMPLE`` uniforms by position; needed by all methods but
+            ``greedy``.
+        block_v: vocabulary entries per block of the residual passes at most (a power of 2).
+        chunk, cand: tuning of the row descriptors (see :func:`specsampler.kernels.rows.row_config`);
+            keep the defaults of :func:`specsampler.kernels.sampling.sample_from_logits` for ``target_only``
+            to draw its tokens bit for bit.
+    Returns:
+        tokens: int64 ``[B, K+1]``: accepted drafts, then one correction or bonus token, then -1.
+        num_accepted: int64 ``[B]``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"verify_chain_from_logits kernel: method must be one of {tuple(METHODS)}, got {method!r}")
+    sampled_drafts = method in ("token", "block")
+    if sampled_drafts and draft_probs is None:
+        raise ValueError(f"verify_chain_from_logits kernel: method {method!r} needs draft_probs")
+    B, K1, V = target_logits.shape
+    K, dev = K1 - 1, target_logits.device
+    tokens = torch.empty(B, K1, dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return tokens, num_accepted
+    philox = seed is not None
+    if not philox and method != "greedy" and (u_sample is None or (sampled_drafts and u_accept is None)):
+        raise ValueError(f"verify_chain_from_logits kernel: method {method!r} needs seed, or u_sample (and u_accept)")
+    logits = target_logits if target_logits.stride(2) == 1 else target_logits.contiguous()
+    q = logits if not sampled_drafts else draft_probs if draft_probs.stride(2) == 1 else draft_probs.contiguous()
+    mask, stride_mb, stride_mk = _mask_strides(vocab_mask, logits)
+    n = torch.full((B,), K, dtype=torch.int64, device=dev) if num_drafts is None else num_drafts.contiguous()
+    if philox:
+        seed = seed.to(torch.int64).contiguous()
+        offset = torch.zeros_like(seed) if offset is None else offset.to(torch.int64).contiguous()
+    ua = logits if u_accept is None else u_accept.contiguous()
+    us = logits if u_sample is None else u_sample.contiguous()
+    cfg = row_config(V, chunk=chunk, cand=cand)
+    fscratch, iscratch = row_scratch(B, cfg, dev)
+    block = min(block_v, triton.next_power_of_2(V))
+    _chain_logits_kernel[(B,)](
+        logits, mask, q, draft_tokens.contiguous(), n, temperature.contiguous(), top_k.contiguous(),
+        top_p.contiguous(), min_p.contiguous(), seed if philox else n, offset if philox else n, ua, us,
+        tokens, num_accepted, fscratch, iscratch,
+        K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, q.stride(0), q.stride(1),
+        ua.stride(0), us.stride(0),
+        METHOD=METHODS[method], HAS_MASK=vocab_mask is not None, PHILOX=philox, BLOCK_V=block,
+        BLOCK_K=triton.next_power_of_2(K1), num_warps=8 if block >= 2048 else 4,
+        enable_fp_fusion=False,  # a * p - q rounded as torch rounds it (no fused multiply-add)
+        **cfg,
+    )
+    return tokens, num_accepted
