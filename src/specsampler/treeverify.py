@@ -356,8 +356,10 @@ _STREAMS = {"greedy": (), "target_only": (STREAM_SAMPLE,), "rrs": (STREAM_ACCEPT
             "traversal": (STREAM_ACCEPT, STREAM_SAMPLE)}  # the uniforms each walk draws, in its order
 
 
-def _walk_kernel(c: _Tree, target_probs: Tensor, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
-    """The walk of ``c.method`` by its Triton kernel (the same draws as the PyTorch walks)."""
+def _walk_kernel(c: _Tree, target: Tensor, rng, op: str, rp: RowParams | None = None,
+                 mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk of ``c.method`` by its Triton kernel (the same draws as the PyTorch walks), on
+    target probabilities, or on logits when the rows' parameters ``rp`` are given."""
     from .kernels import ops
 
     streams = _STREAMS[c.method]
@@ -365,8 +367,14 @@ def _walk_kernel(c: _Tree, target_probs: Tensor, rng, op: str) -> tuple[Tensor, 
     u_accept = u[0] if STREAM_ACCEPT in streams else None
     u_sample = u[-1] if STREAM_SAMPLE in streams else None
     t = c.tree
-    return ops.verify_tree(target_probs, c.x_raw, t.first_child, t.next_sibling, c.q, c.method, c.sampling,
-                           t.max_depth, seed, offset, u_accept, u_sample)
+    if rp is None:
+        return ops.verify_tree(target, c.x_raw, t.first_child, t.next_sibling, c.q, c.method, c.sampling,
+                               t.max_depth, seed, offset, u_accept, u_sample)
+    if mask is not None and mask.stride(-1) != 1:  # the kernel reads rows of the mask
+        mask = mask.contiguous()
+    return ops.verify_tree_from_logits(target, c.x_raw, t.first_child, t.next_sibling, c.q, c.method, c.sampling,
+                                       t.max_depth, rp.temperature, rp.top_k, rp.top_p, rp.min_p, mask, seed, offset,
+                                       u_accept, u_sample)
 
 
 _WALKS = {"greedy": _walk_draws, "target_only": _walk_draws, "rrs": _walk_rrs, "traversal": _walk_traversal}
@@ -458,7 +466,10 @@ def verify_tree_from_logits(
                     full, True)
     rp, mask, _, _ = logit_inputs(op, target_logits, params, vocab_mask, full)
     rows = _Rows(logits=target_logits, rp=rp, mask=mask)
-    path, n, y = _WALKS[c.method](c, rows, rng, op)
+    if use_triton(target_logits.device):
+        path, n, y = _walk_kernel(c, target_logits, rng, op, rp, mask)
+    else:
+        path, n, y = _WALKS[c.method](c, rows, rng, op)
     expected = n.float() if c.method == "greedy" else None
     if expected_accepted and c.method == "target_only":
         pb, pv = (tree.first_child >= 0).nonzero(as_tuple=True)  # each node with children, processed once
