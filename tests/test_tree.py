@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specsampler import TokenTree
+from specsampler import TokenTree, verify_tree
 
 
 def test_parents_give_links_depths_and_sizes():
@@ -157,3 +157,10 @@ def test_wrong_types_and_shapes():
         TokenTree.from_parents(torch.tensor([-1, 0, 0]))
     with pytest.raises(ValueError, match=r"next_sibling: expected shape \[B, N\] \(as first_child\) = \[1, 3\]"):
         TokenTree.from_first_child_next_sibling(torch.tensor([[1, -1, -1]]), torch.tensor([[-1, -1]]))
+
+
+def test_an_empty_batch_of_trees_verifies_to_empty_results():
+    tree = TokenTree.from_parents(torch.zeros(0, 3, dtype=torch.int64))
+    assert tree.batch_size == 0 and tree.max_depth == 0
+    res = verify_tree(torch.zeros(0, 3, 5), torch.zeros(0, 3, dtype=torch.int64), tree, method="target_only")
+    assert res.tokens.shape == (0, 1) and res.num_accepted.shape == (0,)

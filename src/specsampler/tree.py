@@ -110,7 +110,7 @@ class TokenTree:
         self.depth = depth.to(device)
         self.sibling_rank = rank.to(device)
         self.num_nodes = (depth >= 0).sum(1).to(device)
-        self.max_depth = int(depth.max())
+        self.max_depth = int(depth.max()) if depth.numel() else 0
         self.max_children = int(rank.max()) + 1 if rank.numel() else 0
 
     @property
