@@ -31,21 +31,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
-from .philox import philox_uniform
+from .common import (
+    ACCEPT,
+    SAMPLE,
+    argmax,
+    block_size,
+    check_randomness,
+    last_dim_contiguous,
+    randomness,
+    request_keys,
+    uniform,
+)
 
 METHODS = {"token": 0, "block": 1, "target_only": 2, "greedy": 3}  # the kernel's METHOD
-_SAMPLE = tl.constexpr(STREAM_SAMPLE)
-_ACCEPT = tl.constexpr(STREAM_ACCEPT)
-
-
-@triton.jit
-def _uniform(u_row, seed, offset, index, stream: tl.constexpr, PHILOX: tl.constexpr):
-    """Request's uniform at draw ``index`` of ``stream``: Philox in-kernel, or precomputed ``u_row[index]``."""
-    if PHILOX:
-        return tl.sum(philox_uniform(seed, offset, index, stream), 0)
-    else:
-        return tl.load(u_row + index)
 
 
 @triton.jit
@@ -108,21 +106,6 @@ def _search(p_row, q_row, a, use_q, V, t, last, HAS_Q: tl.constexpr, BLOCK_V: tl
 
 
 @triton.jit
-def _argmax(p_row, V, BLOCK_V: tl.constexpr):
-    """The lowest id of the row's largest probability."""
-    best = tl.full((), float("-inf"), tl.float32)
-    y = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        p = tl.load(p_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m = tl.max(p, 0)
-        first = tl.min(tl.where(p == m, offs, V), 0)
-        y = tl.where(m > best, first, y)
-        best = tl.maximum(best, m)
-    return y
-
-
-@triton.jit
 def _draft(x_row, i, kb, V):
     """Draft ``i`` as an int32 id when ``i < kb`` and it lies in ``[0, V)``, else -1 (never accepted)."""
     x = tl.load(x_row + i, mask=i < kb, other=-1)
@@ -136,6 +119,16 @@ def _ratio(num, den):
 
 
 @triton.jit
+def _store_result(tokens_ptr, nacc_ptr, x_row, b, K, n, y, BLOCK_K: tl.constexpr):
+    """Request ``b``'s outputs: its ``n`` accepted drafts (read from ``x_row``), then ``y``, then -1, and ``n``."""
+    pos = tl.arange(0, BLOCK_K)
+    drafts = tl.load(x_row + pos, mask=pos < n, other=-1)
+    out = tl.where(pos < n, drafts, tl.where(pos == n, y.to(tl.int64), -1))
+    tl.store(tokens_ptr + b * (K + 1) + pos, out, mask=pos <= K)
+    tl.store(nacc_ptr + b, n.to(tl.int64))
+
+
+@triton.jit
 def _chain_kernel(
     p_ptr, q_ptr, x_ptr, nd_ptr, seed_ptr, offset_ptr, ua_ptr, us_ptr, tokens_ptr, nacc_ptr,
     K, V, stride_pb, stride_pk, stride_qb, stride_qk, stride_ua, stride_us,
@@ -143,11 +136,7 @@ def _chain_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     kb = tl.minimum(tl.maximum(tl.load(nd_ptr + b), 0), K).to(tl.int32)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     p_b = p_ptr + b * stride_pb
     q_b = q_ptr + b * stride_qb
     x_row = x_ptr + b * K
@@ -163,7 +152,7 @@ def _chain_kernel(
             ok = x >= 0
             p_x = tl.load(p_b + n * stride_pk + x, mask=ok, other=0.0).to(tl.float32)
             q_x = tl.load(q_b + n * stride_qk + x, mask=ok, other=0.0).to(tl.float32)
-            accept = ok & (_uniform(ua_row, seed, offset, n + 1, _ACCEPT, PHILOX) * q_x < p_x)
+            accept = ok & (uniform(ua_row, seed, offset, n + 1, ACCEPT, PHILOX) * q_x < p_x)
             n += accept.to(tl.int32)
             go = accept & (n < kb)
         p_row = p_b + n * stride_pk
@@ -173,7 +162,7 @@ def _chain_kernel(
         if use_q & (total <= 0.0):  # a residual without mass: draw from p itself
             use_q = n < 0
             total, last, _, _, _ = _scan(p_row, q_row, 1.0, use_q, -1, V, HAS_Q, False, BLOCK_V)
-        t = _uniform(us_row, seed, offset, n, _SAMPLE, PHILOX) * total
+        t = uniform(us_row, seed, offset, n, SAMPLE, PHILOX) * total
         y = _search(p_row, q_row, 1.0, use_q, V, t, last, HAS_Q, BLOCK_V)
     elif METHOD == 1:  # block: a_i and h_i forward while a_i > 0; tau = the last i with eta_i < h_i
         a = tl.full((), 1.0, tl.float32)  # a_i at the loop's position i
@@ -188,7 +177,7 @@ def _chain_kernel(
                 s, last, _, _, _ = _scan(p_b + i * stride_pk, q_b + i * stride_qk, a, i >= 0, -1, V, HAS_Q, False,
                                          BLOCK_V)
                 h = tl.where(s > 0, s / tl.where(s > 0, s + 1 - a, 1.0), 0.0)
-                take = _uniform(ua_row, seed, offset, i, _ACCEPT, PHILOX) < h
+                take = uniform(ua_row, seed, offset, i, ACCEPT, PHILOX) < h
                 tau = tl.where(take, i, tau)
                 a_tau = tl.where(take, a, a_tau)
                 s_tau = tl.where(take, s, s_tau)
@@ -201,7 +190,7 @@ def _chain_kernel(
             i += 1
             go = (i < kb) & (a > 0)
         # h at position kb is a_kb (h_0 = 1 when kb = 0); a stop before kb left a = 0 there
-        at_end = (i == kb) & ((_uniform(ua_row, seed, offset, kb, _ACCEPT, PHILOX) < a) | (kb == 0))
+        at_end = (i == kb) & ((uniform(ua_row, seed, offset, kb, ACCEPT, PHILOX) < a) | (kb == 0))
         tau = tl.where(at_end, kb, tau)
         p_row = p_b + tau * stride_pk
         q_row = q_b + tau * stride_qk
@@ -212,7 +201,7 @@ def _chain_kernel(
         a_w = tl.where(use_q, a_tau, 1.0)
         if ~use_q:  # the bonus row, or a residual without mass: draw from p_tau
             s_tau, last_tau, _, _, _ = _scan(p_row, q_row, 1.0, use_q, -1, V, HAS_Q, False, BLOCK_V)
-        t = _uniform(us_row, seed, offset, tau, _SAMPLE, PHILOX) * s_tau
+        t = uniform(us_row, seed, offset, tau, SAMPLE, PHILOX) * s_tau
         y = _search(p_row, q_row, a_w, use_q, V, t, last_tau, HAS_Q, BLOCK_V)
         n = tau
     elif METHOD == 2:  # target_only: draw y_i ~ p_i while it equals x_i; one pass per accepted row
@@ -223,7 +212,7 @@ def _chain_kernel(
             x = _draft(x_row, n, kb, V)
             total, last, below_x, cum_x, pos_x = _scan(p_b + n * stride_pk, q_b, 1.0, n < 0, x, V, HAS_Q, True,
                                                        BLOCK_V)
-            t = _uniform(us_row, seed, offset, n, _SAMPLE, PHILOX) * total
+            t = uniform(us_row, seed, offset, n, SAMPLE, PHILOX) * total
             # _search at t gives the first positive id past t, else `last`: it is x when x is positive,
             # no earlier positive id is past t, and x is past t or the last; x = 0 for a row without mass
             drawn_x = (below_x <= t) & ((pos_x & ((cum_x > t) | (x == last))) | ((total <= 0.0) & (x == 0)))
@@ -234,16 +223,17 @@ def _chain_kernel(
     else:  # greedy: y_i = argmax p_i while it equals x_i
         go = n >= 0
         while go:
-            y = _argmax(p_b + n * stride_pk, V, BLOCK_V)
+            y = argmax(p_b + n * stride_pk, V, BLOCK_V)
             accept = (n < kb) & (y == _draft(x_row, n, kb, V))
             n += accept.to(tl.int32)
             go = accept
 
-    pos = tl.arange(0, BLOCK_K)
-    drafts = tl.load(x_row + pos, mask=pos < n, other=-1)
-    out = tl.where(pos < n, drafts, tl.where(pos == n, y.to(tl.int64), -1))
-    tl.store(tokens_ptr + b * (K + 1) + pos, out, mask=pos <= K)
-    tl.store(nacc_ptr + b, n.to(tl.int64))
+    _store_result(tokens_ptr, nacc_ptr, x_row, b, K, n, y, BLOCK_K)
+
+
+def draft_counts(num_drafts: Tensor | None, B: int, K: int, device) -> Tensor:
+    """The drafts of each request as the kernels read them: ``num_drafts`` contiguous, or int64 ``[B]`` of K."""
+    return torch.full((B,), K, dtype=torch.int64, device=device) if num_drafts is None else num_drafts.contiguous()
 
 
 def verify_chain(
@@ -290,21 +280,14 @@ def verify_chain(
     num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return tokens, num_accepted
-    philox = seed is not None
-    if not philox and method != "greedy" and (u_sample is None or (method in ("token", "block") and u_accept is None)):
-        raise ValueError(f"verify_chain kernel: method {method!r} needs seed, or u_sample (and u_accept)")
-    target = target_probs if target_probs.stride(2) == 1 else target_probs.contiguous()
-    q = target if draft_probs is None else draft_probs if draft_probs.stride(2) == 1 else draft_probs.contiguous()
-    n = torch.full((B,), K, dtype=torch.int64, device=dev) if num_drafts is None else num_drafts.contiguous()
-    if philox:
-        seed = seed.to(torch.int64).contiguous()
-        offset = torch.zeros_like(seed) if offset is None else offset.to(torch.int64).contiguous()
-    ua = target if u_accept is None else u_accept.contiguous()
-    us = target if u_sample is None else u_sample.contiguous()
-    block = min(block_v, triton.next_power_of_2(V))
+    philox = check_randomness("verify_chain kernel", method, seed, u_accept, u_sample, method in ("token", "block"), "")
+    target = last_dim_contiguous(target_probs)
+    q = target if draft_probs is None else last_dim_contiguous(draft_probs)
+    n = draft_counts(num_drafts, B, K, dev)
+    seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=target)
+    block = block_size(block_v, V)
     _chain_kernel[(B,)](
-        target, q, draft_tokens.contiguous(), n, seed if philox else n, offset if philox else n, ua, us,
-        tokens, num_accepted,
+        target, q, draft_tokens.contiguous(), n, seed, offset, ua, us, tokens, num_accepted,
         K, V, target.stride(0), target.stride(1), q.stride(0), q.stride(1),
         ua.stride(0), us.stride(0),
         METHOD=METHODS[method], HAS_Q=method in ("token", "block"), PHILOX=philox, BLOCK_V=block,

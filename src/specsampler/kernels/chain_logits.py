@@ -35,29 +35,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
-from .chain import METHODS, _draft, _ratio, _uniform
-from .rows import describe_row, draw, kept_weights, load_logits, row_config, row_scratch, scan_row, token_weight
-
-_SAMPLE = tl.constexpr(STREAM_SAMPLE)
-_ACCEPT = tl.constexpr(STREAM_ACCEPT)
-_TINY = tl.constexpr(1.1754943508222875e-38)  # the reference normalises by max(sum, tiny)
-
-
-@triton.jit
-def _describe(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-              iscratch_row, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-              NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
-              SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):
-    """:func:`describe_row` of the row with parameters at index ``r``, with fixed types (loop-carried values)."""
-    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
-        logits_row, mask_row, V, tl.load(temperature_ptr + r), tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
-        tl.load(min_p_ptr + r), fscratch_row, iscratch_row,
-        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
-    f = tl.full((), 0.0, tl.float32)
-    i = tl.full((), 0, tl.int32)
-    return (m + f, inv_t + f, tau + f, (id_cut + i).to(tl.int32), w_min + f, z + f, (in_regs + i).to(tl.int32),
-            cand_ids.to(tl.int32), cand_w.to(tl.float32))
+from .chain import METHODS, _draft, _ratio, _store_result, draft_counts
+from .common import (
+    ACCEPT,
+    SAMPLE,
+    TINY,
+    block_size,
+    check_randomness,
+    describe,
+    last_dim_contiguous,
+    mask_strides,
+    randomness,
+    request_keys,
+    uniform,
+)
+from .rows import draw, kept_weights, load_logits, row_config, row_scratch, scan_row, token_weight
 
 
 @triton.jit
@@ -69,14 +61,14 @@ def _prob(x, logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, z, in_regs, 
         w = tl.sum(tl.where(cand_ids == x, cand_w, 0.0), axis=0)
     else:
         w = token_weight(logits_row, mask_row, V, x, m, inv_t, tau, id_cut, w_min, HAS_MASK)
-    return w / tl.maximum(z, _TINY)
+    return w / tl.maximum(z, TINY)
 
 
 @triton.jit
 def _cand_weights(cand_ids, cand_w, z, q_row, a, use_q, V):
     """At the kept tokens held in registers: ``max(a * p - q, 0)`` (``p`` when not ``use_q`` and ``a = 1``);
     elsewhere it is 0, as ``p`` is. ``q`` is read only when ``use_q``."""
-    p = cand_w / tl.maximum(z, _TINY)
+    p = cand_w / tl.maximum(z, TINY)
     inside = cand_ids < V
     q = tl.load(q_row + tl.where(inside, cand_ids, 0), mask=inside & (cand_ids < tl.where(use_q, V, 0)), other=0.0)
     return tl.maximum(a * p - q.to(tl.float32), 0.0)
@@ -87,7 +79,7 @@ def _row_weights(logits_row, mask_row, q_row, offs, V, m, inv_t, tau, id_cut, w_
                  HAS_MASK: tl.constexpr):
     """:func:`_cand_weights` at ``offs`` (a block of a whole row; 0 from V on)."""
     x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
-    p = kept_weights(x, offs, m, inv_t, tau, id_cut, w_min) / tl.maximum(z, _TINY)
+    p = kept_weights(x, offs, m, inv_t, tau, id_cut, w_min) / tl.maximum(z, TINY)
     q = tl.load(q_row + offs, mask=offs < tl.where(use_q, V, 0), other=0.0).to(tl.float32)
     return tl.maximum(a * p - q, 0.0)
 
@@ -150,11 +142,7 @@ def _chain_logits_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     kb = tl.minimum(tl.maximum(tl.load(nd_ptr + b), 0), K).to(tl.int32)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     l_b = logits_ptr + b * stride_lb
     m_b = mask_ptr + b * stride_mb
     q_b = q_ptr + b * stride_qb
@@ -182,7 +170,7 @@ def _chain_logits_kernel(
         while go:
             logits_row = l_b + n * stride_lk
             mask_row = m_b + n * stride_mk
-            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _describe(
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = describe(
                 logits_row, mask_row, r_b + n, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
                 iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
             accept = n < 0
@@ -191,7 +179,7 @@ def _chain_logits_kernel(
                 p_x = _prob(x, logits_row, mask_row, V, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
                             HAS_MASK)
                 q_x = tl.load(q_b + n * stride_qk + x, mask=x >= 0, other=0.0).to(tl.float32)
-                accept = (x >= 0) & (_uniform(ua_row, seed, offset, n + 1, _ACCEPT, PHILOX) * q_x < p_x)
+                accept = (x >= 0) & (uniform(ua_row, seed, offset, n + 1, ACCEPT, PHILOX) * q_x < p_x)
             n += accept.to(tl.int32)
             go = accept
         logits_row = l_b + n * stride_lk
@@ -204,7 +192,7 @@ def _chain_logits_kernel(
             use_q = n < 0
             total, last = _stop_mass(1.0, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
                                      logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
-        t = _uniform(us_row, seed, offset, n, _SAMPLE, PHILOX) * total
+        t = uniform(us_row, seed, offset, n, SAMPLE, PHILOX) * total
         y = _stop_pick(t, last, 1.0, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
                        logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
     elif METHOD == 1:  # block: a_i and h_i forward while a_i > 0, keeping row tau's descriptor; then w_tau or p
@@ -219,7 +207,7 @@ def _chain_logits_kernel(
             logits_row = l_b + i * stride_lk
             mask_row = m_b + i * stride_mk
             q_row = q_b + i * stride_qk
-            c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w = _describe(
+            c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w = describe(
                 logits_row, mask_row, r_b + i, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
                 iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
             take = i == 0  # h_0 = 1
@@ -227,7 +215,7 @@ def _chain_logits_kernel(
                 s, last = _stop_mass(a, i >= 0, c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w,
                                      logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
                 h = tl.where(s > 0, s / tl.where(s > 0, s + 1 - a, 1.0), 0.0)
-                take = _uniform(ua_row, seed, offset, i, _ACCEPT, PHILOX) < h
+                take = uniform(ua_row, seed, offset, i, ACCEPT, PHILOX) < h
                 s_tau = tl.where(take, s, s_tau)
                 last_tau = tl.where(take, last, last_tau)
             tau = tl.where(take, i, tau)
@@ -250,9 +238,9 @@ def _chain_logits_kernel(
             i += 1
             go = (i < kb) & (a > 0)
         # h at position kb is a_kb (h_0 = 1 when kb = 0); a stop before kb left a = 0 there
-        if (i == kb) & ((_uniform(ua_row, seed, offset, kb, _ACCEPT, PHILOX) < a) | (kb == 0)):
+        if (i == kb) & ((uniform(ua_row, seed, offset, kb, ACCEPT, PHILOX) < a) | (kb == 0)):
             tau = kb
-            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _describe(
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = describe(
                 l_b + kb * stride_lk, m_b + kb * stride_mk, r_b + kb, V, temperature_ptr, top_k_ptr, top_p_ptr,
                 min_p_ptr, fscratch_row, iscratch_row,
                 HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
@@ -271,7 +259,7 @@ def _chain_logits_kernel(
             a_w = 1.0
             total, last = _stop_mass(a_w, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
                                      logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
-        t = _uniform(us_row, seed, offset, tau, _SAMPLE, PHILOX) * total
+        t = uniform(us_row, seed, offset, tau, SAMPLE, PHILOX) * total
         y = _stop_pick(t, last, a_w, use_q, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w,
                        logits_row, mask_row, q_row, V, HAS_MASK, BLOCK_V)
         n = tau
@@ -280,10 +268,10 @@ def _chain_logits_kernel(
         while go:
             logits_row = l_b + n * stride_lk
             mask_row = m_b + n * stride_mk
-            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _describe(
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = describe(
                 logits_row, mask_row, r_b + n, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
                 iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
-            u = _uniform(us_row, seed, offset, n, _SAMPLE, PHILOX)
+            u = uniform(us_row, seed, offset, n, SAMPLE, PHILOX)
             drawn, _ = draw(u, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w, logits_row, mask_row,
                             V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
             y = drawn.to(tl.int32)
@@ -300,22 +288,7 @@ def _chain_logits_kernel(
             n += accept.to(tl.int32)
             go = accept
 
-    pos = tl.arange(0, BLOCK_K)
-    drafts = tl.load(x_row + pos, mask=pos < n, other=-1)
-    out = tl.where(pos < n, drafts, tl.where(pos == n, y.to(tl.int64), -1))
-    tl.store(tokens_ptr + b * (K + 1) + pos, out, mask=pos <= K)
-    tl.store(nacc_ptr + b, n.to(tl.int64))
-
-
-def _mask_strides(vocab_mask: Tensor | None, target: Tensor) -> tuple[Tensor, int, int]:
-    """(mask as uint8, batch stride, position stride); the logits and zero strides when there is none."""
-    if vocab_mask is None:
-        return target, 0, 0
-    mask = vocab_mask if vocab_mask.stride(-1) == 1 else vocab_mask.contiguous()
-    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    if mask.dim() == 2:  # [B * (K+1), V], request-major
-        return mask, mask.stride(0) * target.shape[1], mask.stride(0)
-    return mask, mask.stride(0), mask.stride(1)
+    _store_result(tokens_ptr, nacc_ptr, x_row, b, K, n, y, BLOCK_K)
 
 
 def verify_chain_from_logits(
@@ -382,24 +355,18 @@ def verify_chain_from_logits(
     num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return tokens, num_accepted
-    philox = seed is not None
-    if not philox and method != "greedy" and (u_sample is None or (sampled_drafts and u_accept is None)):
-        raise ValueError(f"verify_chain_from_logits kernel: method {method!r} needs seed, or u_sample (and u_accept)")
-    logits = target_logits if target_logits.stride(2) == 1 else target_logits.contiguous()
-    q = logits if not sampled_drafts else draft_probs if draft_probs.stride(2) == 1 else draft_probs.contiguous()
-    mask, stride_mb, stride_mk = _mask_strides(vocab_mask, logits)
-    n = torch.full((B,), K, dtype=torch.int64, device=dev) if num_drafts is None else num_drafts.contiguous()
-    if philox:
-        seed = seed.to(torch.int64).contiguous()
-        offset = torch.zeros_like(seed) if offset is None else offset.to(torch.int64).contiguous()
-    ua = logits if u_accept is None else u_accept.contiguous()
-    us = logits if u_sample is None else u_sample.contiguous()
+    philox = check_randomness("verify_chain_from_logits kernel", method, seed, u_accept, u_sample, sampled_drafts, "")
+    logits = last_dim_contiguous(target_logits)
+    q = last_dim_contiguous(draft_probs) if sampled_drafts else logits
+    mask, stride_mb, stride_mk = mask_strides(vocab_mask, logits)
+    n = draft_counts(num_drafts, B, K, dev)
+    seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=logits)
     cfg = row_config(V, chunk=chunk, cand=cand)
     fscratch, iscratch = row_scratch(B, cfg, dev)
-    block = min(block_v, triton.next_power_of_2(V))
+    block = block_size(block_v, V)
     _chain_logits_kernel[(B,)](
         logits, mask, q, draft_tokens.contiguous(), n, temperature.contiguous(), top_k.contiguous(),
-        top_p.contiguous(), min_p.contiguous(), seed if philox else n, offset if philox else n, ua, us,
+        top_p.contiguous(), min_p.contiguous(), seed, offset, ua, us,
         tokens, num_accepted, fscratch, iscratch,
         K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, q.stride(0), q.stride(1),
         ua.stride(0), us.stride(0),

@@ -13,12 +13,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..rng import STREAM_SAMPLE
+from .common import SAMPLE, TINY
 from .philox import philox_uniform
 from .rows import describe_row, draw, find_chunk, invert, row_config, row_scratch
-
-_STREAM_SAMPLE = tl.constexpr(STREAM_SAMPLE)
-_TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -28,7 +25,7 @@ def _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX: tl.constex
         seed = tl.load(seed_ptr + row)
         offset = tl.load(offset_ptr + row)
         index = tl.load(index_ptr + row)
-        u = tl.max(philox_uniform(seed, offset, index, _STREAM_SAMPLE), axis=0)
+        u = tl.max(philox_uniform(seed, offset, index, SAMPLE), axis=0)
     else:
         u = tl.load(u_ptr + row)
     return u
@@ -55,7 +52,7 @@ def _sample_from_logits_kernel(
     token, weight = draw(u, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row, V,
                          fscratch_row, HAS_MASK, CHUNK, NCH_P2)
     tl.store(tokens_ptr + row, token.to(tl.int64))
-    tl.store(logprobs_ptr + row, tl.log(weight / tl.maximum(z, _TINY)))
+    tl.store(logprobs_ptr + row, tl.log(weight / tl.maximum(z, TINY)))
 
 
 def _randomness(R: int, seed, offset, index, u, device) -> tuple[bool, Tensor, Tensor, Tensor, Tensor]:

@@ -44,20 +44,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
-from .philox import philox_uniform
+from .common import (
+    ACCEPT,
+    SAMPLE,
+    argmax,
+    block_size,
+    check_randomness,
+    last_dim_contiguous,
+    randomness,
+    request_keys,
+    uniform,
+)
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
 _TINY_MASS = tl.constexpr(1e-30)  # the reference's clamp of divisors
-_SAMPLE = tl.constexpr(STREAM_SAMPLE)
-_ACCEPT = tl.constexpr(STREAM_ACCEPT)
-
-
-@triton.jit
-def _uniform(u_row, seed, offset, index, STREAM: tl.constexpr, PHILOX: tl.constexpr):
-    """The request's uniform at draw ``index`` of ``STREAM``: Philox in-kernel, or ``u_row[index]``."""
-    return tl.sum(philox_uniform(seed, offset, index, STREAM), 0) if PHILOX else tl.load(u_row + index)
 
 
 @triton.jit
@@ -104,24 +105,28 @@ def _invert(src, held_row, held, div, u, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _argmax(row, V, BLOCK_V: tl.constexpr):
-    """The lowest id of the row's largest value (int64)."""
-    best = tl.full((), float("-inf"), tl.float32)
-    arg = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        p = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m = tl.max(p, 0)
-        first = tl.min(tl.where(p == m, offs, V), 0)
-        arg = tl.where(m > best, first, arg)
-        best = tl.maximum(best, m)
-    return arg.to(tl.int64)
-
-
-@triton.jit
 def _pick(vec, slots, j):
     """``vec[j]`` of a small per-slot vector."""
     return tl.sum(tl.where(slots == j, vec, 0), 0)
+
+
+@triton.jit
+def _child_with(x_b, ns_b, kid, y):
+    """The first of the siblings from ``kid`` on whose token is ``y`` (in ``[0, V)``, so only a usable
+    child can carry it), -1 if none (int64)."""
+    found = tl.full((), -1, tl.int64)
+    while (kid >= 0) & (found < 0):
+        found = tl.where(tl.load(x_b + kid) == y, kid, found)
+        kid = tl.load(ns_b + kid)
+    return found
+
+
+@triton.jit
+def _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y):
+    """Request ``b``'s outputs: the path's first ``D + 1`` slots, the accepted count ``n`` and the token ``y``."""
+    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
+    tl.store(n_ptr + b, n.to(tl.int64))
+    tl.store(y_ptr + b, y)
 
 
 @triton.jit
@@ -132,11 +137,7 @@ def _draws_kernel(
 ):
     """greedy / target_only: draw y at the current node, move to its first child carrying y."""
     b = tl.program_id(0).to(tl.int64)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     p_b = p_ptr + b * stride_pb
     x_b = x_ptr + b * N
     fc_b = fc_ptr + b * N
@@ -151,22 +152,16 @@ def _draws_kernel(
     while walking:
         row = p_b + v * stride_pn
         if GREEDY:
-            y = _argmax(row, V, BLOCK_V)
+            y = argmax(row, V, BLOCK_V).to(tl.int64)
         else:
-            y = _invert(row, row, 0, 1.0, _uniform(us_b, seed, offset, v, _SAMPLE, PHILOX), V, BLOCK_V)
-        kid = tl.load(fc_b + v)
-        found = tl.full((), -1, tl.int64)
-        while (kid >= 0) & (found < 0):  # y is in [0, V): only a usable child can carry it
-            found = tl.where(tl.load(x_b + kid) == y, kid, found)
-            kid = tl.load(ns_b + kid)
+            y = _invert(row, row, 0, 1.0, uniform(us_b, seed, offset, v, SAMPLE, PHILOX), V, BLOCK_V)
+        found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
         walking = found >= 0
         if walking:
             n += 1
             path = tl.where(slots == n, found, path)
             v = found
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
-    tl.store(n_ptr + b, n.to(tl.int64))
-    tl.store(y_ptr + b, y)
+    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
@@ -181,11 +176,7 @@ def _rrs_kernel(
     the next into), 2 the shared ``q`` (without replacement).
     """
     b = tl.program_id(0).to(tl.int64)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     p_b = p_ptr + b * stride_pb
     q_b = q_ptr + b * stride_qb
     x_b = x_ptr + b * N
@@ -218,7 +209,7 @@ def _rrs_kernel(
             q_row = q_shared if WO else q_b + kid * stride_qn
             q_x = _row(q_row, q_held_row, q_held, q_div, xc, xc >= 0)
             r_x = _row(p_row, scratch + r_buf * V, r_held, r_div, xc, xc >= 0)
-            u = _uniform(ua_b, seed, offset, kid, _ACCEPT, PHILOX)
+            u = uniform(ua_b, seed, offset, kid, ACCEPT, PHILOX)
             if (x >= 0) & (x < V) & (u * q_x < r_x):
                 chosen = kid
             else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
@@ -253,11 +244,9 @@ def _rrs_kernel(
             path = tl.where(slots == n, chosen, path)
             v = chosen
         else:
-            u = _uniform(us_b, seed, offset, v, _SAMPLE, PHILOX)
+            u = uniform(us_b, seed, offset, v, SAMPLE, PHILOX)
             y = _invert(p_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
-    tl.store(n_ptr + b, n.to(tl.int64))
-    tl.store(y_ptr + b, y)
+    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
@@ -278,11 +267,7 @@ def _traversal_kernel(
     held ``Mb``'s update is written to and then swapped in (without mass the old one stays).
     """
     b = tl.program_id(0).to(tl.int64)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     p_b = p_ptr + b * stride_pb
     q_b = q_ptr + b * stride_qb
     x_b = x_ptr + b * N
@@ -349,7 +334,7 @@ def _traversal_kernel(
             div = tl.full((), 1.0, tl.float32)
             pending = tl.load(fc_b + node)
             first = pending >= 0
-        accepted = (top == 0) | (_uniform(ua_b, seed, offset, node, _ACCEPT, PHILOX) < a_top)
+        accepted = (top == 0) | (uniform(ua_b, seed, offset, node, ACCEPT, PHILOX) < a_top)
         if ~accepted:  # delete the leaf; its parent (the new top): w = max(a Mb - q, 0), Mb = norm(w), a = ...
             leaf = node
             mb_buf = tl.where(slots == top, buf, mb_buf)  # the leaf's slot keeps its scratch row
@@ -394,17 +379,39 @@ def _traversal_kernel(
             pending = tl.load(ns_b + leaf)
             first = pending < -1
         steps += 1
-    u = _uniform(us_b, seed, offset, node, _SAMPLE, PHILOX)
+    u = uniform(us_b, seed, offset, node, SAMPLE, PHILOX)
     y = _invert(p_b + node * stride_pn, scratch + buf * V, held, div, u, V, BLOCK_V)
     path = tl.where(slots < top, stack, tl.where(slots == top, node, -1))
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
-    tl.store(n_ptr + b, top.to(tl.int64))
-    tl.store(y_ptr + b, y)
+    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, top, y)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """``t`` with a contiguous last dimension (copied only when it is not)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+def check_args(op: str, method: str, draft_sampling: str, draft_probs: Tensor | None, seed, u_accept: Tensor | None,
+               u_sample: Tensor | None) -> tuple[bool, bool]:
+    """``(stochastic_drafts, philox)`` of a launcher's arguments: whether ``method`` tests sampled drafts
+    (``rrs``, ``traversal``), and whether its uniforms come from Philox. Raises ``ValueError`` (prefixed
+    by ``op``) on an unknown method or draft sampling, or on missing inputs."""
+    if method not in METHODS:
+        raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"{op}: draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
+    stochastic_drafts = method in ("rrs", "traversal")
+    if stochastic_drafts and draft_probs is None:
+        raise ValueError(f"{op}: method {method!r} needs draft_probs")
+    return stochastic_drafts, check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts,
+                                               " for rrs and traversal")
+
+
+def outputs(B: int, D: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """Uninitialised ``(path, num_accepted, y)``: int64 ``[B, D+1]``, ``[B]``, ``[B]``."""
+    path = torch.empty(B, D + 1, dtype=torch.int64, device=device)
+    return path, torch.empty(B, dtype=torch.int64, device=device), torch.empty(B, dtype=torch.int64, device=device)
+
+
+def scratch(method: str, wo: bool, B: int, D: int, V: int, device) -> Tensor:
+    """The per-request float32 scratch rows of ``rrs`` (r twice, q without replacement) or ``traversal``
+    (Mb per slot and a spare, Ms per slot without replacement): ``[B, rows, V]``."""
+    rows = (3 if wo else 2) if method == "rrs" else (2 * D + 3 if wo else D + 2)
+    return torch.empty(B, rows, V, dtype=torch.float32, device=device)
 
 
 def verify_tree(
@@ -453,46 +460,24 @@ def verify_tree(
         y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
     """
     op = "specsampler.kernels.tree.verify_tree"
-    if method not in METHODS:
-        raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
-    if draft_sampling not in DRAFT_SAMPLING:
-        raise ValueError(f"{op}: draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
-    stochastic_drafts = method in ("rrs", "traversal")
-    if stochastic_drafts and draft_probs is None:
-        raise ValueError(f"{op}: method {method!r} needs draft_probs")
-    philox = seed is not None
-    if not philox and method != "greedy" and (u_sample is None or (stochastic_drafts and u_accept is None)):
-        raise ValueError(f"{op}: method {method!r} needs seed, or u_sample (and u_accept for rrs and traversal)")
+    stochastic_drafts, philox = check_args(op, method, draft_sampling, draft_probs, seed, u_accept, u_sample)
     B, N, V = target_probs.shape
     D, dev = max_depth, target_probs.device
-    path = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
-    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
-    y = torch.empty(B, dtype=torch.int64, device=dev)
+    outs = outputs(B, D, dev)
     if B == 0:
-        return path, num_accepted, y
-    p = _rows(target_probs)
-    q = _rows(draft_probs) if stochastic_drafts else p
+        return outs
+    p = last_dim_contiguous(target_probs)
+    q = last_dim_contiguous(draft_probs) if stochastic_drafts else p
     links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
-    if philox:
-        seed = torch.as_tensor(seed, dtype=torch.int64, device=dev).expand(B).contiguous()
-        offset = torch.zeros_like(seed) if offset is None else (
-            torch.as_tensor(offset, dtype=torch.int64, device=dev).expand(B).contiguous())
-        keys = seed, offset
-    else:
-        keys = links[0], links[0]  # unused
-    ua = u_accept.float().contiguous() if u_accept is not None and not philox else p
-    us = u_sample.float().contiguous() if u_sample is not None and not philox else p
-    outs = path, num_accepted, y
-    meta = dict(PHILOX=philox, BLOCK_V=block_v or min(1024, triton.next_power_of_2(V)),
-                BLOCK_D=triton.next_power_of_2(D + 2), enable_fp_fusion=False)
+    seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=p)
+    meta = dict(PHILOX=philox, BLOCK_V=block_v or block_size(1024, V), BLOCK_D=triton.next_power_of_2(D + 2),
+                enable_fp_fusion=False)
     if not stochastic_drafts:
-        _draws_kernel[(B,)](p, *links, *keys, us, *outs, N, V, D, p.stride(0), p.stride(1),
+        _draws_kernel[(B,)](p, *links, seed, offset, us, *outs, N, V, D, p.stride(0), p.stride(1),
                             GREEDY=method == "greedy", **meta)
         return outs
     wo = draft_sampling == "without_replacement"
-    rows = (3 if wo else 2) if method == "rrs" else (2 * D + 3 if wo else D + 2)
-    scratch = torch.empty(B, rows, V, dtype=torch.float32, device=dev)
     kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](p, q, *links, *keys, ua, us, scratch, *outs, N, V, D, p.stride(0), p.stride(1), q.stride(0),
-                 q.stride(1), WO=wo, **meta)
+    kernel[(B,)](p, q, *links, seed, offset, ua, us, scratch(method, wo, B, D, V, dev), *outs, N, V, D,
+                 p.stride(0), p.stride(1), q.stride(0), q.stride(1), WO=wo, **meta)
     return outs

@@ -37,35 +37,24 @@ Randomness (:mod:`specsampler.rng`): the acceptance test of node c (``rrs``: chi
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
-from .rows import describe_row, draw, invert, kept_weights, load_logits, row_config, row_scratch, scan_row
-from .tree import DRAFT_SAMPLING, METHODS, _clamp_divisor, _invert, _pick, _row, _uniform
-
-_SAMPLE = tl.constexpr(STREAM_SAMPLE)
-_ACCEPT = tl.constexpr(STREAM_ACCEPT)
-_TINY = tl.constexpr(1.1754943508222875e-38)  # the reference normalises processed rows by max(sum, tiny)
-
-
-@triton.jit
-def _describe(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-              iscratch_row, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-              NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
-              SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):
-    """:func:`describe_row` of the row whose parameters are at index ``r``, in fixed types (the
-    descriptor of a slot is carried through loops)."""
-    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
-        logits_row, mask_row, V, tl.load(temperature_ptr + r), tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
-        tl.load(min_p_ptr + r), fscratch_row, iscratch_row,
-        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
-    f = tl.full((), 0.0, tl.float32)
-    i = tl.full((), 0, tl.int32)
-    return (m + f, inv_t + f, tau + f, (id_cut + i).to(tl.int32), w_min + f, z + f, (in_regs + i).to(tl.int32),
-            cand_ids.to(tl.int32), cand_w.to(tl.float32))
+from .common import (
+    ACCEPT,
+    SAMPLE,
+    TINY,
+    block_size,
+    describe,
+    last_dim_contiguous,
+    mask_strides,
+    randomness,
+    request_keys,
+    uniform,
+)
+from .rows import draw, invert, kept_weights, load_logits, row_config, row_scratch, scan_row
+from .tree import _child_with, _clamp_divisor, _invert, _pick, _row, _store_result, check_args, outputs, scratch
 
 
 @triton.jit
@@ -75,7 +64,7 @@ def _current(logits_row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, 
     the processed probability ``kept weight / z`` (logits read), else ``held_row / div`` (the scratch
     row read). Only the source in use is loaded."""
     x = load_logits(logits_row, mask_row, offs, tl.where(held == 0, V, 0), HAS_MASK)
-    p = tl.div_rn(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), tl.maximum(z, _TINY))
+    p = tl.div_rn(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), tl.maximum(z, TINY))
     w = tl.load(held_row + offs, mask=tl.where(held != 0, offs < V, False), other=0.0)
     return tl.where(held != 0, tl.div_rn(w, div), p)
 
@@ -102,11 +91,7 @@ def _draws_kernel(
 ):
     """greedy / target_only: y at the current node (argmax, or the draw), move to its first child carrying y."""
     b = tl.program_id(0).to(tl.int64)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     l_b = logits_ptr + b * stride_lb
     mk_b = mask_ptr + b * stride_mb
     x_b = x_ptr + b * N
@@ -128,25 +113,19 @@ def _draws_kernel(
             _, arg = scan_row(logits_row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
             y = arg.to(tl.int64)
         else:
-            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = _describe(
+            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
                 logits_row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
                 iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
-            token, _ = draw(_uniform(us_b, seed, offset, v, _SAMPLE, PHILOX), m, inv_t, tau, cut, w_min, z, regs,
+            token, _ = draw(uniform(us_b, seed, offset, v, SAMPLE, PHILOX), m, inv_t, tau, cut, w_min, z, regs,
                             cand_ids, cand_w, logits_row, mask_row, V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
             y = token.to(tl.int64)
-        kid = tl.load(fc_b + v)
-        found = tl.full((), -1, tl.int64)
-        while (kid >= 0) & (found < 0):  # y is in [0, V): only a usable child can carry it
-            found = tl.where(tl.load(x_b + kid) == y, kid, found)
-            kid = tl.load(ns_b + kid)
+        found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
         walking = found >= 0
         if walking:
             n += 1
             path = tl.where(slots == n, found, path)
             v = found
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
-    tl.store(n_ptr + b, n.to(tl.int64))
-    tl.store(y_ptr + b, y)
+    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
@@ -166,11 +145,7 @@ def _rrs_kernel(
     Scratch row 2 holds the shared ``q`` (without replacement).
     """
     b = tl.program_id(0).to(tl.int64)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     l_b = logits_ptr + b * stride_lb
     mk_b = mask_ptr + b * stride_mb
     q_b = q_ptr + b * stride_qb
@@ -193,11 +168,11 @@ def _rrs_kernel(
     while walking:
         logits_row = l_b + v * stride_ln
         mask_row = mk_b + v * stride_mn
-        m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = _describe(
+        m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
             logits_row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
             iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
         cand_in = cand_ids < V
-        r_vec = tl.div_rn(cand_w, tl.maximum(z, _TINY))  # r = p_v at the kept tokens (regs != 0)
+        r_vec = tl.div_rn(cand_w, tl.maximum(z, TINY))  # r = p_v at the kept tokens (regs != 0)
         r_held = tl.full((), 0, tl.int32)  # otherwise r = p_v until a rejection changes it
         r_buf = tl.full((), 0, tl.int32)
         r_div = tl.full((), 1.0, tl.float32)
@@ -218,7 +193,7 @@ def _rrs_kernel(
             else:
                 r_x = _current(logits_row, mask_row, scratch + r_buf * V, r_held, r_div, xc, V, m, inv_t, tau, cut,
                                w_min, z, HAS_MASK)
-            u = _uniform(ua_b, seed, offset, kid, _ACCEPT, PHILOX)
+            u = uniform(ua_b, seed, offset, kid, ACCEPT, PHILOX)
             if inside & (u * q_x < r_x):
                 chosen = kid
             else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
@@ -266,7 +241,7 @@ def _rrs_kernel(
             path = tl.where(slots == n, chosen, path)
             v = chosen
         else:
-            u = _uniform(us_b, seed, offset, v, _SAMPLE, PHILOX)
+            u = uniform(us_b, seed, offset, v, SAMPLE, PHILOX)
             if regs != 0:
                 y = _draw_in_regs(u, cand_ids, r_vec)
             elif r_held != 0:
@@ -275,9 +250,7 @@ def _rrs_kernel(
                 token, _ = draw(u, m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w, logits_row, mask_row, V,
                                 fscratch_row, HAS_MASK, CHUNK, NCH_P2)
                 y = token.to(tl.int64)
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
-    tl.store(n_ptr + b, n.to(tl.int64))
-    tl.store(y_ptr + b, y)
+    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
@@ -298,11 +271,7 @@ def _traversal_kernel(
     its first child is pushed, and its ``Mb`` read through it while ``held`` is 0.
     """
     b = tl.program_id(0).to(tl.int64)
-    seed = 0
-    offset = 0
-    if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
+    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
     l_b = logits_ptr + b * stride_lb
     mk_b = mask_ptr + b * stride_mb
     q_b = q_ptr + b * stride_qb
@@ -357,7 +326,7 @@ def _traversal_kernel(
                 q_src = pending
                 q_held = tl.full((), 0, tl.int32)
                 q_div = tl.full((), 1.0, tl.float32)
-                d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, _, _, _ = _describe(
+                d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, _, _, _ = describe(
                     l_b + node * stride_ln, mk_b + node * stride_mn, b * N + node, V, temperature_ptr, top_k_ptr,
                     top_p_ptr, min_p_ptr, fscratch_row, iscratch_row,
                     HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
@@ -395,7 +364,7 @@ def _traversal_kernel(
             div = tl.full((), 1.0, tl.float32)
             pending = tl.load(fc_b + node)
             first = pending >= 0
-        accepted = (top == 0) | (_uniform(ua_b, seed, offset, node, _ACCEPT, PHILOX) < a_top)
+        accepted = (top == 0) | (uniform(ua_b, seed, offset, node, ACCEPT, PHILOX) < a_top)
         if ~accepted:  # delete the leaf; its parent (the new top): w = max(a Mb - q, 0), Mb = norm(w), a = ...
             leaf = node
             top -= 1
@@ -447,38 +416,21 @@ def _traversal_kernel(
             pending = tl.load(ns_b + leaf)
             first = pending < -1
         steps += 1
-    u = _uniform(us_b, seed, offset, node, _SAMPLE, PHILOX)
+    u = uniform(us_b, seed, offset, node, SAMPLE, PHILOX)
     y = tl.full((), 0, tl.int64)
     if held != 0:
         y = _invert(l_b + node * stride_ln, scratch + buf * V, held, div, u, V, BLOCK_V)
     else:  # Mb = p of the last node: its draw (a leaf's row is read here for the first time)
         logits_row = l_b + node * stride_ln
         mask_row = mk_b + node * stride_mn
-        m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = _describe(
+        m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
             logits_row, mask_row, b * N + node, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
             iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
         token, _ = draw(u, m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w, logits_row, mask_row, V,
                         fscratch_row, HAS_MASK, CHUNK, NCH_P2)
         y = token.to(tl.int64)
     path = tl.where(slots < top, stack, tl.where(slots == top, node, -1))
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
-    tl.store(n_ptr + b, top.to(tl.int64))
-    tl.store(y_ptr + b, y)
-
-
-def _last_dim_contiguous(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _mask_strides(vocab_mask: Tensor | None, logits: Tensor) -> tuple[Tensor, int, int]:
-    """(mask as uint8, request stride, node stride); the logits and zero strides when there is none."""
-    if vocab_mask is None:
-        return logits, 0, 0
-    mask = _last_dim_contiguous(vocab_mask)
-    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    if mask.dim() == 2:  # [B * N, V], request-major
-        return mask, mask.stride(0) * logits.shape[1], mask.stride(0)
-    return mask, mask.stride(0), mask.stride(1)
+    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, top, y)
 
 
 def verify_tree_from_logits(
@@ -547,51 +499,30 @@ def verify_tree_from_logits(
         y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
     """
     op = "specsampler.kernels.tree_logits.verify_tree_from_logits"
-    if method not in METHODS:
-        raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
-    if draft_sampling not in DRAFT_SAMPLING:
-        raise ValueError(f"{op}: draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
-    stochastic_drafts = method in ("rrs", "traversal")
-    if stochastic_drafts and draft_probs is None:
-        raise ValueError(f"{op}: method {method!r} needs draft_probs")
-    philox = seed is not None
-    if not philox and method != "greedy" and (u_sample is None or (stochastic_drafts and u_accept is None)):
-        raise ValueError(f"{op}: method {method!r} needs seed, or u_sample (and u_accept for rrs and traversal)")
+    stochastic_drafts, philox = check_args(op, method, draft_sampling, draft_probs, seed, u_accept, u_sample)
     B, N, V = target_logits.shape
     D, dev = max_depth, target_logits.device
-    path = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
-    num_accepted = torch.empty(B, dtype=torch.int64, device=dev)
-    y = torch.empty(B, dtype=torch.int64, device=dev)
+    outs = outputs(B, D, dev)
     if B == 0:
-        return path, num_accepted, y
-    logits = _last_dim_contiguous(target_logits)
-    q = _last_dim_contiguous(draft_probs) if stochastic_drafts else logits
-    mask, stride_mb, stride_mn = _mask_strides(vocab_mask, logits)
+        return outs
+    logits = last_dim_contiguous(target_logits)
+    q = last_dim_contiguous(draft_probs) if stochastic_drafts else logits
+    mask, stride_mb, stride_mn = mask_strides(vocab_mask, logits)
     links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
     params = temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous()
-    if philox:
-        seed = torch.as_tensor(seed, dtype=torch.int64, device=dev).expand(B).contiguous()
-        offset = torch.zeros_like(seed) if offset is None else (
-            torch.as_tensor(offset, dtype=torch.int64, device=dev).expand(B).contiguous())
-        keys = seed, offset
-    else:
-        keys = links[0], links[0]  # unused
-    ua = u_accept.float().contiguous() if u_accept is not None and not philox else logits
-    us = u_sample.float().contiguous() if u_sample is not None and not philox else logits
+    seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=logits)
     cfg = row_config(V, chunk=chunk, cand=cand)
     fscratch, iscratch = row_scratch(B, cfg, dev)
-    outs = path, num_accepted, y
     meta = dict(PHILOX=philox, HAS_MASK=vocab_mask is not None, BLOCK_D=triton.next_power_of_2(D + 2),
                 num_warps=num_warps, enable_fp_fusion=False, **cfg)
     strides = logits.stride(0), logits.stride(1), stride_mb, stride_mn
     if not stochastic_drafts:
-        _draws_kernel[(B,)](logits, mask, *links, *params, *keys, us, fscratch, iscratch, *outs, N, V, D, *strides,
-                            GREEDY=method == "greedy", **meta)
+        _draws_kernel[(B,)](logits, mask, *links, *params, seed, offset, us, fscratch, iscratch, *outs, N, V, D,
+                            *strides, GREEDY=method == "greedy", **meta)
         return outs
     wo = draft_sampling == "without_replacement"
-    rows = (3 if wo else 2) if method == "rrs" else (2 * D + 3 if wo else D + 2)
-    scratch = torch.empty(B, rows, V, dtype=torch.float32, device=dev)
     kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](logits, mask, q, *links, *params, *keys, ua, us, scratch, fscratch, iscratch, *outs, N, V, D,
-                 *strides, q.stride(0), q.stride(1), WO=wo, BLOCK_V=min(block_v, triton.next_power_of_2(V)), **meta)
+    kernel[(B,)](logits, mask, q, *links, *params, seed, offset, ua, us, scratch(method, wo, B, D, V, dev), fscratch,
+                 iscratch, *outs, N, V, D, *strides, q.stride(0), q.stride(1), WO=wo, BLOCK_V=block_size(block_v, V),
+                 **meta)
     return outs
