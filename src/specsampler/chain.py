@@ -250,8 +250,6 @@ def _verify_from_logits_kernel(c: _Chain, logits: Tensor, params, vocab_mask, fu
     from .kernels import ops
 
     rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full)
-    if mask is not None and mask.stride(-1) != 1:  # the kernel reads rows of the mask
-        mask = mask.contiguous()
     streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
     seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
     u_sample, u_accept = u[0], u[1] if len(u) > 1 else None

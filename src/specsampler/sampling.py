@@ -228,7 +228,7 @@ def sample_from_logits(
         rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full)
         V = logits.shape[-1]
         seed, offset, index, u = _row_randomness(rng, op, B, M, logits.device)
-        mask = None if mask is None else mask.reshape(-1, V).contiguous()
+        mask = None if mask is None else mask.reshape(-1, V)  # a view where it can be: the kernel takes row strides
         tokens, logprobs = ops.sample_from_logits(logits.reshape(-1, V), rp.temperature, rp.top_k, rp.top_p,
                                                   rp.min_p, mask, seed, offset, index, u)
         return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)

@@ -370,8 +370,6 @@ def _walk_kernel(c: _Tree, target: Tensor, rng, op: str, rp: RowParams | None = 
     if rp is None:
         return ops.verify_tree(target, c.x_raw, t.first_child, t.next_sibling, c.q, c.method, c.sampling,
                                t.max_depth, seed, offset, u_accept, u_sample)
-    if mask is not None and mask.stride(-1) != 1:  # the kernel reads rows of the mask
-        mask = mask.contiguous()
     return ops.verify_tree_from_logits(target, c.x_raw, t.first_child, t.next_sibling, c.q, c.method, c.sampling,
                                        t.max_depth, rp.temperature, rp.top_k, rp.top_p, rp.min_p, mask, seed, offset,
                                        u_accept, u_sample)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import SAMPLE, TINY
+from .common import SAMPLE, TINY, last_dim_contiguous
 from .philox import philox_uniform
 from .rows import describe_row, draw, find_chunk, invert, row_config, row_scratch
 
@@ -88,7 +88,7 @@ def sample_from_logits(
         logits: float32/bf16/fp16 ``[R, V]``, rows contiguous (any row stride).
         temperature: float32 ``[R]`` (0 = greedy); top_k: int64 ``[R]`` (<= 0 or >= V: off);
             top_p: float32 ``[R]`` (>= 1: off); min_p: float32 ``[R]``.
-        vocab_mask: bool ``[R, V]`` (True = allowed, rows contiguous), or None.
+        vocab_mask: bool ``[R, V]`` (True = allowed; any row stride, so an expanded mask is not copied), or None.
         seed, offset: int64 ``[R]``, the Philox key and counter offset of each row's request;
             index: int64 ``[R]``, the row's draw index (its flat position inside the request).
         u: float32 ``[R]`` in [0, 1): precomputed uniforms, instead of seed/offset/index.
@@ -98,6 +98,7 @@ def sample_from_logits(
         processed probability (-inf for a row without an allowed finite logit, which draws 0).
     """
     R, V = logits.shape
+    logits = last_dim_contiguous(logits)
     philox, seed, offset, index, u = _randomness(R, seed, offset, index, u, logits.device)
     tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(R, dtype=torch.float32, device=logits.device)
@@ -105,7 +106,7 @@ def sample_from_logits(
         return tokens, logprobs
     cfg = row_config(V, chunk=chunk, cand=cand)
     fscratch, iscratch = row_scratch(R, cfg, logits.device)
-    mask = logits if vocab_mask is None else vocab_mask.view(torch.uint8)
+    mask = logits if vocab_mask is None else last_dim_contiguous(vocab_mask).view(torch.uint8)
     _sample_from_logits_kernel[(R,)](
         logits, logits.stride(0), mask, mask.stride(0), temperature, top_k, top_p, min_p,
         seed, offset, index, u, tokens, logprobs, fscratch, iscratch, V,
