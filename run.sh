@@ -24,7 +24,7 @@ if [ "$(cat .venv/.specsampler-stamp 2>/dev/null || true)" != "$(stamp_of)" ]; t
   log=.venv/install.log
   # torch first, pinned: on the project's machines this is the local CPU wheel.
   if ! { .venv/bin/python -m pip install -q "torch==2.13.0" &&
-         .venv/bin/python -m pip install -q -e ".[dev,triton]"; } >"$log" 2>&1; then
+         .venv/bin/python -m pip install -q -e ".[dev,triton,hf]"; } >"$log" 2>&1; then
     grep -v "is ignored: it is neither" "$log" >&2
     echo "[run.sh] dependency installation failed (log: $log)" >&2
     exit 1

@@ -13,12 +13,21 @@ Cache = Tensor | Sequence
 
 
 def _tensors(op: str, cache: Cache) -> list[Tensor]:
-    """The tensors of a cache: one tensor, or a list of tensors or of per-layer (k, v) pairs."""
+    """The tensors of a cache: one tensor, a list of tensors or of per-layer (k, v) pairs, or a
+    Hugging Face ``DynamicCache`` (``.layers[i].keys / .values`` in transformers >= 4.56,
+    ``.key_cache / .value_cache`` before); uninitialised layers are skipped."""
     if isinstance(cache, Tensor):
         return [cache]
     if isinstance(cache, (list, tuple)):
         return [t for item in cache for t in _tensors(op, item)]
-    fail(op, "cache", "a tensor, or a list of tensors or of (k, v) pairs", type(cache).__name__)
+    if hasattr(cache, "layers"):
+        kv = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+    elif hasattr(cache, "key_cache"):
+        kv = [*cache.key_cache, *cache.value_cache]
+    else:
+        fail(op, "cache", "a tensor, a list of tensors or of (k, v) pairs, or a Hugging Face DynamicCache",
+             type(cache).__name__)
+    return [t for t in kv if isinstance(t, Tensor) and t.numel()]
 
 
 def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Tensor, *, seq_dim: int = 2,
@@ -31,8 +40,9 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
     ``cache_lens + num_accepted + 1``; entries past it are left as they are.
 
     Args:
-        cache: a tensor ``[B, H, S, D]`` (the sequence at dim ``seq_dim``), or a list of such
-            tensors or of per-layer ``(k, v)`` pairs. Modified in place.
+        cache: a tensor ``[B, H, S, D]`` (the sequence at dim ``seq_dim``), a list of such
+            tensors or of per-layer ``(k, v)`` pairs, or a Hugging Face ``DynamicCache``
+            (``[B, H, S, D]`` per layer). Modified in place.
         cache_lens: integer ``[B]``: committed positions before the tree.
         path: integer ``[B, D+1]``: accepted node ids from the root, ``-1`` after
             (``TreeResult.path``).

@@ -1,0 +1,248 @@
+"""End-to-end speculative generation with tiny random transformers models (no downloads)."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import specsampler as ss  # noqa: E402
+from conftest import mc_trials  # noqa: E402
+from specsampler.generate import generate, speculative_generate  # noqa: E402
+from stats import assert_counts_match  # noqa: E402
+
+GREEDY = ss.SamplingParams(temperature=0.0)
+SETUPS = [  # (drafter, draft_sampling, method, tree_shape)
+    ("chain", "iid", "token", None),
+    ("chain", "iid", "block", None),
+    ("chain", "deterministic", "target_only", None),
+    ("chain", "iid", "greedy", None),
+    ("tree", "iid", "rrs", [2, 2, 1]),
+    ("tree", "without_replacement", "rrs", [3, 2]),
+    ("tree", "iid", "traversal", [2, 1, 1]),
+    ("tree", "without_replacement", "traversal", [2, 2]),
+    ("tree", "deterministic", "target_only", [3, 2, 1]),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and OpenMP barriers cost milliseconds on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(vocab: int, layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg).double().eval()
+
+
+def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A draft that agrees with the target often but not always: its weights plus noise."""
+    draft = LlamaForCausalLM(model.config).double().eval()
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp(min=1e-3))
+    return draft
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(48, 2, 32, seed=0)
+    with torch.no_grad():  # sharper next-token distributions, so a noisy copy agrees often
+        target.lm_head.weight.mul_(6.0)
+    return target, noisy_copy(target, 0.3, seed=1)
+
+
+def hf_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[0, prompt.shape[0]:].tolist()
+
+
+@pytest.mark.parametrize("drafter,how,method,shape", SETUPS)
+def test_greedy_output_equals_the_targets_own_greedy_generate(pair, drafter, how, method, shape):
+    target, draft = pair
+    prompt = torch.tensor([5, 17, 3, 30, 11, 2, 41])
+    expected = hf_greedy(target, prompt, 40)
+    out = speculative_generate(target, draft, prompt, 40, GREEDY, drafter=drafter, draft_sampling=how,
+                               method=method, tree_shape=shape, num_draft_tokens=3, rng=ss.Philox(3))
+    assert out.tokens.tolist() == expected
+    accepted = [a for step in out.stats.accepted_per_step for a in step]
+    depth = out.stats.draft_depth
+    assert any(0 < a < depth for a in accepted) or (0 in accepted and depth in accepted), accepted
+    assert out.stats.target_calls == len(out.stats.accepted_per_step) + 1  # steps + the prefill
+    assert out.stats.tokens_per_target_call == pytest.approx(40 / out.stats.target_calls)
+
+
+def test_plain_generate_at_temperature_0_is_hf_greedy(pair):
+    target, _ = pair
+    prompt = torch.tensor([1, 2, 3])
+    out = generate(target, prompt, 25, GREEDY)
+    assert out.tokens.tolist() == hf_greedy(target, prompt, 25)
+    assert out.stats.target_calls == 25 and out.stats.tokens_per_target_call == 1.0
+
+
+def test_self_drafting_accepts_every_draft(pair):
+    target, _ = pair
+    out = speculative_generate(target, target, torch.tensor([4, 4, 9]), 21, GREEDY, drafter="tree",
+                               draft_sampling="deterministic", tree_shape=[2, 1, 1, 1])
+    assert out.stats.accepted_per_step == [[4]] * 4
+    assert out.stats.acceptance_rate == 1.0 and out.stats.target_calls == 5
+    assert out.tokens.tolist() == hf_greedy(target, torch.tensor([4, 4, 9]), 21)
+
+
+@pytest.mark.parametrize("drafter,how,shape", [("chain", "iid", None), ("tree", "without_replacement", [2, 2, 1])])
+def test_batched_left_padded_prompts_equal_their_runs_alone(pair, drafter, how, shape):
+    target, draft = pair
+    prompts = [[3, 8, 1, 22, 5, 9], [14], [7, 7, 30, 2]]
+    L = max(map(len, prompts))
+    ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    seeds = torch.tensor([10, 11, 12])
+    params = ss.SamplingParams(temperature=torch.tensor([0.0, 1.0, 0.7]), top_k=torch.tensor([0, 10, 0]))
+    out = speculative_generate(target, draft, ids, 30, params, drafter=drafter, draft_sampling=how,
+                               tree_shape=shape, rng=ss.Philox(seeds), attention_mask=mask)
+    assert out.tokens.shape == (3, 30) and out.lengths.tolist() == [30, 30, 30]
+    assert out.tokens[0].tolist() == hf_greedy(target, torch.tensor(prompts[0]), 30)
+    for b, p in enumerate(prompts):
+        alone = speculative_generate(target, draft, torch.tensor(p), 30, ss.SamplingParams(
+            temperature=float(params.temperature[b]), top_k=int(params.top_k[b])), drafter=drafter,
+            draft_sampling=how, tree_shape=shape, rng=ss.Philox(int(seeds[b])))
+        assert out.tokens[b].tolist() == alone.tokens.tolist(), b
+
+
+def test_eos_ends_a_request_and_pads_with_minus_one(pair):
+    target, draft = pair
+    prompt = torch.tensor([5, 17, 3, 30, 11, 2, 41])
+    greedy = hf_greedy(target, prompt, 30)
+    eos = greedy[12]
+    out = speculative_generate(target, draft, torch.stack([prompt, prompt]), 30, GREEDY, eos_token_id=eos)
+    end = greedy.index(eos) + 1
+    assert out.lengths.tolist() == [end, end]
+    assert out.tokens[0].tolist() == greedy[:end]
+    plain = generate(target, prompt, 30, GREEDY, eos_token_id=[eos])
+    assert plain.tokens.tolist() == greedy[:end]
+
+
+def test_max_new_tokens_zero_and_one(pair):
+    target, draft = pair
+    prompt = torch.tensor([1, 2])
+    assert speculative_generate(target, draft, prompt, 0, GREEDY).tokens.tolist() == []
+    one = speculative_generate(target, draft, prompt, 1, GREEDY)
+    assert one.tokens.tolist() == hf_greedy(target, prompt, 1) and one.stats.target_calls == 1
+
+
+def test_bad_arguments_raise_value_errors_naming_them(pair):
+    target, draft = pair
+    prompt = torch.tensor([1, 2])
+    cases = [
+        (dict(drafter="beam"), "drafter"),
+        (dict(draft_sampling="topk"), "draft_sampling"),
+        (dict(method="rrs"), "method"),  # a tree method for the chain drafter
+        (dict(draft_sampling="deterministic", method="token"), "method"),
+        (dict(method="target_only"), "draft_sampling"),
+        (dict(drafter="tree", tree_shape=[2, 0]), "tree_shape"),
+        (dict(tree_shape=[2]), "tree_shape"),
+        (dict(num_draft_tokens=0), "num_draft_tokens"),
+    ]
+    for kwargs, name in cases:
+        with pytest.raises(ValueError, match=f"speculative_generate: {name}"):
+            speculative_generate(target, draft, prompt, 4, **kwargs)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, draft, prompt, -1)
+    with pytest.raises(ValueError, match="attention_mask: expected left padding"):
+        speculative_generate(target, draft, torch.tensor([[1, 2, 0]]), 4, attention_mask=torch.tensor([[1, 1, 0]]))
+    with pytest.raises(ValueError, match="input_ids"):
+        speculative_generate(target, draft, torch.tensor([1.0, 2.0]), 4)
+    with pytest.raises(ValueError, match="speculative_generate: draft: expected a vocabulary of the target's size"):
+        speculative_generate(target, tiny_llama(40, 1, 16, seed=2), prompt, 4)
+
+
+def test_compact_kv_moves_dynamic_cache_entries():
+    B, H, S, D = 2, 2, 9, 3
+    cache = DynamicCache()
+    layers = [(torch.randn(B, H, S, D), torch.randn(B, H, S, D)) for _ in range(2)]
+    for i, (k, v) in enumerate(layers):
+        cache.update(k.clone(), v.clone(), i)
+    path, n = torch.tensor([[0, 2, 3], [0, 1, -1]]), torch.tensor([2, 1])
+    ss.compact_kv(cache, torch.tensor([4, 4]), path, n)
+    expected = [[k.clone(), v.clone()] for k, v in layers]
+    for kv in expected:
+        for t in kv:
+            t[0, :, 5], t[0, :, 6] = t[0, :, 6].clone(), t[0, :, 7].clone()
+    got = [(layer.keys, layer.values) for layer in cache.layers] if hasattr(cache, "layers") else list(
+        zip(cache.key_cache, cache.value_cache))
+    for (k, v), (ek, ev) in zip(got, expected):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+# ------------------------------------------------------------------------------ distribution
+
+
+def exact_joint(model, prompt: torch.Tensor, params: ss.SamplingParams, steps: int) -> np.ndarray:
+    """The target's exact distribution of its first ``steps`` tokens, ``[V] * steps``."""
+    V = model.config.vocab_size
+    prefixes = [()]
+    probs = {(): 1.0}
+    for _ in range(steps):
+        seqs = torch.stack([torch.cat([prompt, torch.tensor(p, dtype=torch.long)]) for p in prefixes])
+        with torch.no_grad():
+            q = ss.logits_to_probs(model(seqs).logits[:, -1].float(), params).double()
+        probs = {p + (x,): probs[p] * float(q[i, x]) for i, p in enumerate(prefixes) for x in range(V)}
+        prefixes = list(probs)
+    return np.array([probs[p] for p in itertools.product(range(V), repeat=steps)]).reshape([V] * steps)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    target = tiny_llama(6, 2, 16, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    return target, noisy_copy(target, 1.0, seed=6)
+
+
+DIST_SETUPS = [
+    ("chain", "iid", "token", None),
+    ("chain", "iid", "block", None),
+    ("chain", "deterministic", "target_only", None),
+    ("tree", "iid", "rrs", [2, 1]),
+    ("tree", "without_replacement", "rrs", [3, 1]),
+    ("tree", "iid", "traversal", [2, 2]),
+    ("tree", "without_replacement", "traversal", [3, 1]),
+    ("tree", "deterministic", "target_only", [2, 1]),
+]
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize("drafter,how,method,shape", DIST_SETUPS)
+def test_first_tokens_follow_the_target_distribution(small_vocab_pair, drafter, how, method, shape):
+    """Speculative and plain sampling draw the first three tokens from the target's exact joint
+    (checked on the pairs (x1, x2) and (x2, x3): 36 outcomes each, where a lossy verifier shows)."""
+    target, draft = small_vocab_pair
+    trials = mc_trials(100_000, 10_000)
+    prompt = torch.tensor([1, 4, 2])
+    params = ss.SamplingParams(temperature=0.9, top_k=5)
+    exact = exact_joint(target, prompt, params, 3)
+    ids = prompt.expand(trials, -1)
+    seeds = ss.Philox(torch.arange(trials))
+    spec = speculative_generate(target, draft, ids, 3, params, drafter=drafter, draft_sampling=how, method=method,
+                                tree_shape=shape, num_draft_tokens=2, rng=seeds)
+    plain = generate(target, ids, 3, params, rng=seeds)
+    V = target.config.vocab_size
+    for name, out in (("speculative", spec), ("plain", plain)):
+        x = out.tokens.numpy()
+        for pair, probs in (((0, 1), exact.sum(2)), ((1, 2), exact.sum(0))):
+            counts = np.bincount(x[:, pair[0]] * V + x[:, pair[1]], minlength=V * V)
+            assert_counts_match(counts, probs.reshape(-1), label=f"{name} {drafter} {how} {method} tokens {pair}")
+    assert spec.stats.acceptance_rate > 0.1  # the drafts were actually used
