@@ -68,5 +68,5 @@ def test_bad_kv_inputs_are_named():
     with pytest.raises(ValueError, match=r"cache tensor 0: expected a batch dim of size B = 2"):
         ss.compact_kv(torch.zeros(3, 1, 6, 1), torch.tensor([0, 0]), torch.tensor([[0, 1], [0, 1]]),
                       torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match=r"cache: expected a tensor, or a list"):
+    with pytest.raises(ValueError, match=r"cache: expected a tensor, a list .* or a Hugging Face DynamicCache"):
         ss.compact_kv({"k": cache}, torch.tensor([0, 0]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 1]))

@@ -11,6 +11,7 @@ from . import (
     Philox,
     SamplingParams,
     TokenTree,
+    demo,
     logits_to_probs,
     sample_from_logits,
     verify_chain,
@@ -19,11 +20,11 @@ from . import (
 )
 
 
-def demo(args: argparse.Namespace) -> int:
-    """A short tour of what exists: per-request sampling on one batch, seeds, token trees."""
+def tour(args: argparse.Namespace) -> int:
+    """A short tour of the API on synthetic logits: per-request sampling on one batch, seeds, token trees."""
     torch.manual_seed(args.seed)
     V = args.vocab
-    print(f"specsampler demo: 4 requests, vocabulary {V}, synthetic Zipf-like logits\n")
+    print(f"specsampler tour: 4 requests, vocabulary {V}, synthetic Zipf-like logits\n")
     ranks = torch.randperm(V)
     logits = (-1.1 * torch.log1p(ranks.float()))[None, :].repeat(4, 1) + 0.3 * torch.randn(4, V)
     params = SamplingParams(
@@ -188,10 +189,13 @@ def bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specsampler", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="a short demonstration of the library")
+    p = sub.add_parser("demo", help="speculative generation with a real model pair: every method side by side")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.demo)
+    p = sub.add_parser("tour", help="a short tour of the API on synthetic logits")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=demo)
+    p.set_defaults(func=tour)
     p = sub.add_parser("check", help="exactness checks of every verification method (oracle and Monte Carlo)")
     p.add_argument("--trials", type=int, default=100_000)
     p.add_argument("--only", choices=["chain", "tree"], help="check one family only")
