@@ -48,3 +48,15 @@ def test_demo_generates_with_the_built_in_pair_and_every_method(capsys):
     assert plain[2:5] == ["1.00", "-", "12"]  # one token per target call, 12 calls
     speedups = [float(r.split()[-1].rstrip("x")) for r in rows[1:]]
     assert min(speedups) >= 1.0 and max(speedups) > 1.5  # drafts accepted: fewer target calls
+
+
+def test_demo_takes_local_model_directories(capsys):
+    pytest.importorskip("transformers")
+    from specsampler.modelpair import PAIR_DIR
+
+    args = ["demo", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"), "--max-new-tokens",
+            "6", "--prompt", "x = "]
+    assert main(args) == 0
+    assert "tree traversal" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--draft needs --target"):
+        main(["demo", "--draft", str(PAIR_DIR / "draft")])

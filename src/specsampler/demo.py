@@ -65,7 +65,15 @@ def _load(args: argparse.Namespace):
 
     target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
     draft = AutoModelForCausalLM.from_pretrained(args.draft).to(args.device).eval()
-    return target, draft, AutoTokenizer.from_pretrained(args.target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+    except (OSError, ValueError) as err:
+        if target.config.vocab_size != 256:
+            raise SystemExit(f"specsampler demo: no tokenizer in {args.target} ({err})") from err
+        from .modelpair import ByteTokenizer
+
+        tokenizer = ByteTokenizer()  # a byte-level model without tokenizer files, like the built-in pair
+    return target, draft, tokenizer
 
 
 def _batch(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
