@@ -471,8 +471,9 @@ def speculative_generate(
         method: ``"auto"``, or a chain method (``token``, ``block``, ``target_only``, ``greedy``)
             or tree method (``rrs``, ``traversal``, ``target_only``, ``greedy``). ``auto``:
             ``token`` / ``rrs`` for sampled drafts, ``target_only`` for deterministic ones.
-        rng: ``None``, a ``torch.Generator`` or :class:`Philox` (per-request seeds ``[B]``; each
-            model-independent random call advances the offset by one).
+        rng: ``None``, a ``torch.Generator`` or :class:`Philox` (per-request seeds ``[B]``; the
+            first-token draw, each draft level's draws and each verification take the next
+            offset, the same sequence for every request).
         eos_token_id: None, an id or a list of ids that end a request (kept as its last token).
         attention_mask: ``[B, L]``, 1 for real tokens, 0 for left padding.
         draft_params: how the draft's logits become its distributions (default ``params``).
