@@ -176,13 +176,14 @@ class _Shape:
 
 def _ancestors(parents: Tensor) -> Tensor:
     """bool ``[B, N, N]``: node j is node i or an ancestor of i; absent nodes see themselves only."""
-    B, N = parents.shape
-    anc = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
-    for i in range(1, N):
-        p = parents[:, i]
-        has = p >= 0
-        anc[:, i] |= has[:, None] & anc[torch.arange(B, device=parents.device), p.clamp(min=0)]
-    return anc
+    N = parents.shape[1]
+    ids = torch.arange(N, device=parents.device)
+    anc = ids[:, None] == ids  # [N, N], broadcast to [B, N, N] below
+    up = parents
+    while bool((up >= 0).any()):  # one step up the tree per round: depth rounds
+        anc = anc | (up[..., None] == ids)
+        up = torch.where(up >= 0, parents.gather(1, up.clamp(min=0)), -1)
+    return anc.expand(parents.shape[0], N, N)
 
 
 # ------------------------------------------------------------------------------ randomness

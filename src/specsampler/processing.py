@@ -34,6 +34,7 @@ from torch import Tensor
 from .params import RowParams
 
 SMALL_NUCLEUS = 64  # nuclei first searched among the 64 most likely tokens
+_ORDER_WHOLE = 1024  # top-p rows this short are ordered whole: cheaper than estimating a nucleus bound
 _BLOCK = 512  # rows per block in the search for large nuclei
 _RADIX_SHIFTS = (20, 9, 0)  # the radix select's digits: bits 30..20, 19..9, 8..0 of the weights
 _RADIX_KEYS = 1 << 11
@@ -375,7 +376,7 @@ def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
     Rows are taken in blocks of :data:`_BLOCK`, which bounds the per-row histograms' memory.
     """
     r, V = x.shape
-    if V <= SMALL_NUCLEUS:  # the whole row is the candidate set
+    if V <= _ORDER_WHOLE:  # the whole row is the candidate set
         vals, ids = ordered_prefix(x, V)
         w = _weights(vals, vals[:, :1], rp.temperature, logits)
         return [_part_in_id_order(rows, ids, _cut_candidates(w, rp))]
