@@ -106,7 +106,7 @@ def demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     print("specsampler demo: speculative generation, plain sampling against every verification method")
     target, draft, tokenizer = _load(args)
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    count = lambda m: sum(p.numel() for p in m.parameters())
     print(f"target {count(target) / 1e6:.1f}M parameters, draft {count(draft) / 1e6:.2f}M; "
           f"temperature {args.temperature}, top_p {args.top_p}, {args.max_new_tokens} new tokens per prompt, "
           f"chain of {args.num_draft_tokens}, tree {args.tree_shape}\n")

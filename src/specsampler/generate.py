@@ -170,20 +170,13 @@ class _Shape:
         lv = self.levels()
         return [-1] + [lv[d - 1].start + k // c for d, c in enumerate(self.branching, 1) for k in range(len(lv[d]))]
 
-    def node_depths(self) -> list[int]:
-        return [d for d, r in enumerate(self.levels()) for _ in r]
 
 
-def _ancestors(parents: Tensor) -> Tensor:
-    """bool ``[B, N, N]``: node j is node i or an ancestor of i; absent nodes see themselves only."""
-    N = parents.shape[1]
-    ids = torch.arange(N, device=parents.device)
-    anc = ids[:, None] == ids  # [N, N], broadcast to [B, N, N] below
-    up = parents
-    while bool((up >= 0).any()):  # one step up the tree per round: depth rounds
-        anc = anc | (up[..., None] == ids)
-        up = torch.where(up >= 0, parents.gather(1, up.clamp(min=0)), -1)
-    return anc.expand(parents.shape[0], N, N)
+def _visible_nodes(tree: TokenTree) -> Tensor:
+    """bool ``[B, N, N]``: node j is node i or an ancestor of i (:meth:`TokenTree.mask`), and
+    every absent node sees itself, so that each of the model's queries attends to something."""
+    N = tree.size
+    return tree.mask() | torch.eye(N, dtype=torch.bool, device=tree.device)
 
 
 # ------------------------------------------------------------------------------ randomness
@@ -266,7 +259,7 @@ def _draft(dkv: _KV, pending: Tensor, pending_on: Tensor, pos_root: Tensor, shap
         if d == shape.depth:
             break
         n = len(lv)
-        anc = _ancestors(parents[:, :lv.stop])[:, lv.start:]
+        anc = _visible_nodes(TokenTree.from_parents(parents[:, :lv.stop]))[:, lv.start:]
         visible = torch.cat([prefix[:, None, :].expand(B, n, -1), anc], 2)
         q_level = logits_to_probs(dkv.forward(x, (pos_root + d)[:, None].expand(B, n), visible), params)
         q_nodes[:, lv.start:lv.stop] = q_level
@@ -498,7 +491,6 @@ def speculative_generate(
     tkv, dkv = _KV(target, B, dev), _KV(draft, B, dev)
     pos_root = real.long().sum(1)  # the root's position: tokens before it
     D = shape.depth
-    depth = torch.tensor(shape.node_depths(), device=dev)
     if max_new_tokens:
         root = sample_from_logits(_prefill(tkv, ids, real), params, streams.next()).tokens
         _prefill(dkv, ids, real)
@@ -509,10 +501,10 @@ def speculative_generate(
     while not all(out.done):
         tokens, parents, q_nodes, root_slot = _draft(dkv, pending, pending_on, pos_root, shape, draft_params,
                                                      draft_sampling, streams)
-        anc = _ancestors(parents)
-        visible = torch.cat([tkv.committed[:, None, :].expand(B, anc.shape[1], -1), anc], 2)
+        tree = TokenTree.from_parents(parents)
+        visible = torch.cat([tkv.committed[:, None, :].expand(B, tree.size, -1), _visible_nodes(tree)], 2)
         start = tkv.slots
-        logits = tkv.forward(tokens, pos_root[:, None] + depth, visible)
+        logits = tkv.forward(tokens, pos_root[:, None] + tree.depth.clamp(min=0), visible)
         if logits.shape[-1] != q_nodes.shape[-1]:
             fail(op, "draft", f"a vocabulary of the target's size {logits.shape[-1]}", q_nodes.shape[-1])
         sampled = method not in ("target_only", "greedy")
@@ -522,7 +514,6 @@ def speculative_generate(
             path = torch.where(torch.arange(D + 1, device=dev) <= res.num_accepted[:, None],
                                torch.arange(D + 1, device=dev), -1)
         else:
-            tree = TokenTree.from_parents(parents)
             q_parent = q_nodes.gather(1, parents.clamp(min=0)[:, :, None].expand_as(q_nodes)) if sampled else None
             res = verify_tree_from_logits(logits, tokens, tree, params, draft_probs=q_parent, method=method,
                                           draft_sampling="iid" if draft_sampling == "iid" else "without_replacement",
