@@ -230,6 +230,50 @@ def test_large_nuclei_match_the_rule_exactly(V, spread, top_p, min_p, seed):
         torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    V=st.sampled_from([2048, 4104, 20480]),
+    kind=st.sampled_from(["ties", "normal", "peaked", "masked"]),
+    top_p=st.sampled_from([0.3, 0.9, 0.999]),
+    min_p=st.sampled_from([0.0, 0.001]),
+    probs_in=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_nuclei_of_wide_vocabularies_match_the_rule_exactly(V, kind, top_p, min_p, probs_in, seed):
+    # wide rows take the nucleus search (estimate, compaction, radix cut, dense fallback): the
+    # first rows vary the distribution's shape, then one token alone reaches top-p, a small nucleus,
+    # a flat row (the nucleus exceeds any compaction: cut densely) and a row without a finite logit
+    g = torch.Generator().manual_seed(seed)
+    logits = {"ties": torch.randint(-3, 4, (3, V), generator=g).float() * 0.5,
+              "normal": torch.randn(3, V, generator=g) * 2,
+              "peaked": torch.randn(3, V, generator=g) * 6,
+              "masked": torch.randn(3, V, generator=g).masked_fill(torch.rand(3, V, generator=g) < 0.7, -math.inf),
+              }[kind]
+    one, small = torch.zeros(V), torch.randn(V, generator=g)
+    one[V // 3] = 30.0
+    small[torch.randperm(V, generator=g)[:20]] += 12.0
+    rows = torch.cat([logits, one[None], small[None], torch.zeros(1, V), torch.full((1, V), -math.inf)])
+    if probs_in:
+        rows = torch.softmax(rows, -1).nan_to_num(0.0)
+        out = ss.min_p_renorm(ss.top_p_renorm(rows, top_p), min_p) if min_p else ss.top_p_renorm(rows, top_p)
+    else:
+        out = ss.logits_to_probs(rows, SP(temperature=0.7, top_p=top_p, min_p=min_p))
+    for b, row in enumerate(rows.double().tolist()):
+        if b == rows.shape[0] - 1:
+            assert probs_in or not out[b].isnan().any()
+            continue
+        if probs_in:
+            ref, margin = naive_probs(row, 1.0, 0, top_p, 0.0, is_probs=True)
+            if min_p:  # applied after renormalisation, as a separate call
+                ref, _ = naive_probs(ref, 1.0, 0, 1.0, min_p, is_probs=True)
+        else:
+            ref, margin = naive_probs(row, 0.7, 0, top_p, min_p)
+        if margin < 1e-5:  # within float rounding of the boundary
+            continue
+        assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all(), (b, int((out[b] > 0).sum()), sum(r > 0 for r in ref))
+        torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-4)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     n=st.integers(1, 12),
@@ -250,6 +294,17 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         expected = sorted(range(scores.shape[1]), key=lambda i: (-float(scores[b, i]), i))[:n]
         assert ids[b].tolist() == expected
         assert vals[b].tolist() == scores[b, expected].tolist()
+
+
+@pytest.mark.parametrize("shape, density", [((64, 4096), 0.02), ((3, 16), 0.5), ((5, 64), 0.9), ((7, 8), 1.0),
+                                            ((4, 24), 0.0), ((0, 8), 0.1), ((2, 13), 0.4)])
+def test_sparse_mask_positions_equal_nonzero(shape, density):
+    from specsampler.processing import _nonzero_2d
+
+    g = torch.Generator().manual_seed(shape[1])
+    mask = torch.rand(shape, generator=g) < density
+    for got, want in zip(_nonzero_2d(mask), mask.nonzero(as_tuple=True)):
+        assert torch.equal(got, want)
 
 
 def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():

@@ -25,6 +25,7 @@ cumulative probability exceeds ``u * total`` (see :mod:`specsampler.rng`).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -475,16 +476,12 @@ def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
 
 def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
     """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
-    r = keys.shape[0]
-    offsets = torch.arange(r, dtype=torch.int32, device=keys.device)[:, None] * num_keys
-    flat = torch.add(keys, offsets, out=SCRATCH.get("flat keys", keys.shape, torch.int32, keys.device))
-    out = torch.zeros(r * num_keys, device=keys.device)
-    return out.index_add_(0, flat.reshape(-1), values.reshape(-1)).view(r, num_keys)
+    return torch.zeros(keys.shape[0], num_keys, device=keys.device).scatter_add_(1, keys.long(), values)
 
 
 def _suffix(hist: Tensor) -> Tensor:
-    """``[r, n]`` -> sums over the bins >= k, for each k."""
-    return hist.sum(1, keepdim=True) - hist.cumsum(1) + hist
+    """``[..., n]`` -> sums over the bins >= k, for each k."""
+    return hist.sum(-1, keepdim=True) - hist.cumsum(-1) + hist
 
 
 def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
@@ -510,19 +507,22 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
         n = chunk_max.shape[1]
         chunks = w.view(r, n, -1)
         picked = torch.topk(chunk_max, SMALL_NUCLEUS + 1, dim=-1).indices
-        head = chunks.gather(1, picked[:, :, None].expand(-1, -1, chunks.shape[2])).reshape(r, -1)
+        picked_rows = (picked + torch.arange(r, device=w.device)[:, None] * n).view(-1)
+        head = chunks.reshape(r * n, -1).index_select(0, picked_rows).view(r, -1)
         stride = max(1, n * chunks.shape[2] // _SUBSAMPLE)
         outside = torch.ones(r, n, device=w.device).scatter_(1, picked, 0.0)[:, ::stride, None]
         sub = (chunks[:, ::stride] * outside).reshape(r, -1)
     else:
         sub = w[:, :: max(1, V // _SUBSAMPLE)].contiguous()
-    # mass and count above each bin edge, of the subsample (scaled to what it stands for) and the head
+    # mass and count above each bin edge (one histogram, two halves), of the subsample scaled
+    # to what it stands for, and of the head
+    mass_scale = (z - head.sum(-1)).clamp(min=0) / sub.sum(-1).clamp(min=_TINY)
+    count_scale = (V - head.shape[1]) / (sub > 0).sum(-1).clamp(min=1)
     keys, head_keys = _keys(sub, _EST_SHIFT), _keys(head, _EST_SHIFT)
-    mass, count = _suffix(_histogram(keys, sub, _EST_KEYS)), _suffix(_histogram(keys, (sub > 0).float(), _EST_KEYS))
-    mass *= ((z - head.sum(-1)).clamp(min=0) / mass[:, 0].clamp(min=_TINY))[:, None]
-    count *= ((V - head.shape[1]) / count[:, 0].clamp(min=1))[:, None]
-    mass += _suffix(_histogram(head_keys, head, _EST_KEYS))
-    count += _suffix(_histogram(head_keys, torch.ones_like(head), _EST_KEYS))
+    hist = _histogram(torch.cat([keys, head_keys, keys + _EST_KEYS, head_keys + _EST_KEYS], 1),
+                      torch.cat([sub * mass_scale[:, None], head, (sub > 0) * count_scale[:, None],
+                                 torch.ones_like(head)], 1), 2 * _EST_KEYS)
+    mass, count = _suffix(hist.view(r, 2, _EST_KEYS)).unbind(1)
     edge = ((mass >= target[:, None]).sum(-1) - 1).clamp(min=0)  # the estimated nucleus edge
     size = count.gather(1, edge[:, None])[:, 0]
     room = (2 * size + 128).clamp(max=V // 16)  # candidates to allow
@@ -544,22 +544,18 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     """
     r, V = w.shape
     compact = likely & (lb != float("inf"))
-    if bool(compact.any()):
-        above = SCRATCH.get("above", (r, V), torch.bool, w.device)
-        b, cols = _nonzero_2d(torch.ge(w, torch.where(compact, lb, float("inf"))[:, None], out=above))
-        vals = w.view(-1).index_select(0, b * V + cols)
-        compact &= torch.zeros(r, device=w.device).index_add_(0, b, vals) >= target  # rows short of it drop out
-    dense = (lb != float("inf")) & ~compact
     parts = []
     if bool(compact.any()):
+        # weights are >= 0, so their bit patterns compare as they do (and faster)
+        bound = torch.where(compact, lb, float("inf"))[:, None].view(torch.int32)
+        above = SCRATCH.get("above", (r, V), torch.bool, w.device)
+        b, cols = _nonzero_2d(torch.ge(w.view(torch.int32), bound, out=above))
+        _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, b * V + cols))  # candidates in id order
+        compact &= cand.sum(-1) >= target  # rows short of it drop out
+    dense = (lb != float("inf")) & ~compact
+    if bool(compact.any()):
         sub = _rows_where(compact)
-        if sub is not None:  # renumber the compacted rows 0..n-1
-            on = compact[b]
-            b, cols, vals = (compact.cumsum(0) - 1)[b[on]], cols[on], vals[on]
-        counts = torch.bincount(b, minlength=r if sub is None else sub.numel()).tolist()
-        pad = torch.nn.utils.rnn.pad_sequence
-        ids = pad(torch.split(cols, counts), batch_first=True)  # each row's candidates, in id order
-        cand = pad(torch.split(vals, counts), batch_first=True)
+        ids, cand = _take(ids, sub), _take(cand, sub)
         cut_to_mass_(cand, _take(target, sub))
         parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
     if bool(dense.any()):
@@ -570,18 +566,44 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     return parts
 
 
+def _by_row(b: Tensor, r: int, *values: Tensor) -> tuple[Tensor, ...]:
+    """Entries listed by row (``b`` int64 ``[n]``, non-decreasing) laid out as ``[r, C]`` rows
+    padded with zeros, C the longest row. Returns each entry's flat index in that layout, then
+    each of ``values`` laid out."""
+    counts = torch.bincount(b, minlength=r)
+    C = int(counts.max()) if b.numel() else 0
+    row_start = torch.arange(r, device=b.device) * C - (counts.cumsum(0) - counts)  # layout index - list index
+    at = torch.arange(b.numel(), device=b.device) + row_start.index_select(0, b)
+    return at, *(torch.zeros(r * C, dtype=v.dtype, device=v.device).scatter_(0, at, v).view(r, C) for v in values)
+
+
 def _nonzero_2d(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``mask.nonzero(as_tuple=True)`` for a sparse contiguous ``[r, V]`` mask (bool, or float32
-    0/1), faster: the mask is scanned 8 bytes at a time, then only the words holding a nonzero
-    entry are expanded."""
-    per_word = 8 // mask.element_size()
-    if mask.shape[1] % per_word or not mask.is_contiguous():
+    """``mask.nonzero(as_tuple=True)`` for a sparse contiguous bool ``[r, V]`` mask, faster.
+
+    The mask is scanned 8 bytes at a time. In each word holding a set byte, the lowest one is
+    found by bit arithmetic (its bit, a power of two, is exact in float32: the exponent gives
+    the position); only the few words holding more are expanded byte by byte.
+    """
+    r, V = mask.shape
+    if V % 8 or not mask.is_contiguous() or sys.byteorder != "little":
         return mask.nonzero(as_tuple=True)
-    words = mask.view(torch.int64)
-    rows, word = words.nonzero(as_tuple=True)
-    as_int = torch.uint8 if per_word == 8 else torch.int32
-    k, pos = words[rows, word].view(as_int).view(-1, per_word).nonzero(as_tuple=True)
-    return rows[k], word[k] * per_word + pos
+    words = mask.view(torch.int64).view(-1)
+    at = words.nonzero()[:, 0]
+    v = words[at]
+    low = v & -v  # the lowest set byte's bit
+    first = at * 8 + (((low.float().view(torch.int32) >> 23) - 127) >> 3)
+    rest = v - low
+    more = rest.nonzero()[:, 0]  # words with two or more set bytes
+    k, byte = rest[more].view(torch.uint8).view(-1, 8).nonzero(as_tuple=True)
+    extra, owner = at[more[k]] * 8 + byte, more[k]  # in increasing order
+    # merge: the j-th extra of the i-th word lands after i words and all the extras before it
+    n, e = at.numel(), extra.numel()
+    per_word = torch.zeros(n, dtype=torch.int64, device=mask.device).index_add_(0, owner, torch.ones_like(owner))
+    flat = torch.empty(n + e, dtype=torch.int64, device=mask.device)
+    flat.scatter_(0, torch.arange(n, device=mask.device) + per_word.cumsum(0) - per_word, first)
+    flat.scatter_(0, owner + torch.arange(1, e + 1, device=mask.device), extra)
+    b = flat // V
+    return b, flat - b * V
 
 
 def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
@@ -620,7 +642,7 @@ def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
     crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
     w.mul_(torch.ge(digit, crossing, out=keep))  # drop the buckets below (a float mask: no masked_fill_, no cast)
-    b, col = _nonzero_2d(torch.eq(digit, crossing, out=keep))
+    b, col = _nonzero_2d(digit == crossing)
     for shift in _RADIX_SHIFTS[1:]:
         if b.numel() <= r * _RADIX_SORT:
             break
@@ -637,11 +659,8 @@ def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
     b, col = b[order], col[order]
     b, order = b.sort(stable=True)
     col, v = col[order], v[order]
-    counts = torch.bincount(b, minlength=r)
-    pos = torch.arange(b.numel(), device=w.device) - (counts.cumsum(0) - counts)[b]
-    grid = torch.zeros(r, int(counts.max()) if b.numel() else 0, device=w.device)
-    grid[b, pos] = v
-    before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0))[b, pos]
+    at, grid = _by_row(b, r, v)
+    before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0)).view(-1)[at]
     drop = above[b] + before >= target[b]
     w[b[drop], col[drop]] = 0.0
     return w
