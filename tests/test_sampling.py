@@ -476,6 +476,20 @@ def test_small_nucleus_sampling_sorts_no_full_vocabulary(sort_sizes):
     assert out.tokens.shape == (8,)
 
 
+@pytest.mark.parametrize("V, scale", [(32768, 3.0), (65536, 3.5), (131072, 3.0)])
+def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
+    # the estimated bound keeps the candidates few (a few times the nucleus) yet enough: no row
+    # falls back to cutting its whole vocabulary
+    import specsampler.processing as processing
+
+    widths, real_cut = [], processing.cut_to_mass_
+    monkeypatch.setattr(processing, "cut_to_mass_", lambda w, t: widths.append(w.shape[1]) or real_cut(w, t))
+    logits = torch.randn(16, V, generator=torch.Generator().manual_seed(V)) * scale
+    probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))
+    nucleus = int((probs > 0).sum(-1).max())
+    assert nucleus > 200 and widths and max(widths) <= min(4 * nucleus + 256, V // 8)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -41,8 +41,8 @@ _RADIX_SHIFTS = (20, 9, 0)  # the radix select's digits: bits 30..20, 19..9, 8..
 _RADIX_KEYS = 1 << 11
 _RADIX_SORT = 64  # pending tokens per row (on average) few enough to sort
 _SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from
-_EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight
-_EST_KEYS = 1 << 11
+_EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight,
+_EST_BINS = 256  # over the 32 octaves below the most likely token
 _TINY = torch.finfo(torch.float32).tiny
 _INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 
@@ -489,8 +489,9 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
     """Estimates for each row: a weight ``lb`` the nucleus very likely lies above, whether the
     tokens above it very likely reach the target, and the nucleus size.
 
-    The mass above each bin edge (8 bins per octave of weight) is counted exactly over the
-    chunks with the largest maxima (which hold the most likely tokens), and estimated over
+    The mass above each bin edge (8 bins per octave of weight, over the 32 octaves below the
+    most likely token; the tokens further below share the last bin) is counted exactly over
+    the chunks with the largest maxima (which hold the most likely tokens), and estimated over
     the rest from a strided subsample scaled to their exact mass (a ratio estimator); where
     it reaches the target is the estimated nucleus edge, with n tokens above. The bound is
     the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most V/16),
@@ -514,22 +515,24 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
         sub = (chunks[:, ::stride] * outside).reshape(r, -1)
     else:
         sub = w[:, :: max(1, V // _SUBSAMPLE)].contiguous()
-    # mass and count above each bin edge (one histogram, two halves), of the subsample scaled
-    # to what it stands for, and of the head
-    mass_scale = (z - head.sum(-1)).clamp(min=0) / sub.sum(-1).clamp(min=_TINY)
-    count_scale = (V - head.shape[1]) / (sub > 0).sum(-1).clamp(min=1)
-    keys, head_keys = _keys(sub, _EST_SHIFT), _keys(head, _EST_SHIFT)
-    hist = _histogram(torch.cat([keys, head_keys, keys + _EST_KEYS, head_keys + _EST_KEYS], 1),
-                      torch.cat([sub * mass_scale[:, None], head, (sub > 0) * count_scale[:, None],
-                                 torch.ones_like(head)], 1), 2 * _EST_KEYS)
-    mass, count = _suffix(hist.view(r, 2, _EST_KEYS)).unbind(1)
-    edge = ((mass >= target[:, None]).sum(-1) - 1).clamp(min=0)  # the estimated nucleus edge
+    # mass and count in each bin below the most likely token's (the tokens far below it share
+    # the last one), of the subsample scaled to what it stands for, and of the head
+    top = _keys(w_max, _EST_SHIFT)
+    hist = torch.zeros(r, 2, _EST_BINS, device=w.device)
+    sub_scale = (z - head.sum(-1)).clamp(min=0) / sub.sum(-1).clamp(min=_TINY)
+    for part, mass_scale, count_scale in ((sub, sub_scale[:, None], (V - head.shape[1]) / sub.shape[1]),
+                                          (head, 1.0, 1.0)):
+        below = (top - _keys(part, _EST_SHIFT)).clamp_(0, _EST_BINS - 1).long()
+        hist[:, 0].scatter_add_(1, below, part * mass_scale)
+        hist[:, 1].scatter_add_(1, below, torch.full_like(part, count_scale))
+    mass, count = hist.cumsum(-1).unbind(1)  # above each bin's lower edge
+    edge = (mass < target[:, None]).sum(-1).clamp(max=_EST_BINS - 1)  # the estimated nucleus edge
     size = count.gather(1, edge[:, None])[:, 0]
     room = (2 * size + 128).clamp(max=V // 16)  # candidates to allow
-    k = (count > room[:, None]).sum(-1).clamp(max=_EST_KEYS - 1)  # the lowest bin with at most that many above
-    k = torch.minimum(k, _keys(w_max, _EST_SHIFT)[:, 0].long())  # not above the most likely token
-    lb = torch.where(k > 0, (k.to(torch.int32) << _EST_SHIFT).view(torch.float32), 0.0)
-    return lb, mass.gather(1, k[:, None])[:, 0] >= target, size
+    j = ((count <= room[:, None]).sum(-1) - 1).clamp(min=0)  # the lowest bin with at most that many above
+    k = torch.where(j < _EST_BINS - 1, top[:, 0] - j.to(torch.int32), 0)
+    lb = torch.where(k > 0, (k << _EST_SHIFT).view(torch.float32), 0.0)
+    return lb, mass.gather(1, j[:, None])[:, 0] >= target, size
 
 
 def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, rp: RowParams, w_max) -> list[Part]:
