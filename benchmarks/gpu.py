@@ -21,6 +21,8 @@ op's median over it. Baselines (``baselines`` holds the op's speedup over each, 
   of every row, a materialising chain verifier, an every-node tree walk).
 
 Runs without FlashInfer (its baselines are then left out) and, for a smoke test, on the CPU.
+FlashInfer is not on the GPU machines' image and they reach no network: ``bash
+benchmarks/flashinfer_carry.sh`` packs its sampling path to carry there (the script says how to unpack it).
 """
 
 from __future__ import annotations
