@@ -45,6 +45,7 @@ _EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight,
 _EST_BINS = 256  # over the 32 octaves below the most likely token
 _TINY = torch.finfo(torch.float32).tiny
 _INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
+_WORD_SCAN_MIN = 1 << 20  # masks this large are scanned for nonzeros a word at a time
 
 
 class _Scratch(threading.local):
@@ -581,17 +582,21 @@ def _by_row(b: Tensor, r: int, *values: Tensor) -> tuple[Tensor, ...]:
 
 
 def _nonzero_2d(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``mask.nonzero(as_tuple=True)`` for a sparse contiguous bool ``[r, V]`` mask, faster.
+    """``mask.nonzero(as_tuple=True)`` for a contiguous bool ``[r, V]`` mask, faster when it is
+    large and sparse.
 
     The mask is scanned 8 bytes at a time. In each word holding a set byte, the lowest one is
     found by bit arithmetic (its bit, a power of two, is exact in float32: the exponent gives
-    the position); only the few words holding more are expanded byte by byte.
+    the position); only the few words holding more are expanded byte by byte. Small masks,
+    and masks with a set byte in more than a quarter of their words, take ``nonzero``.
     """
     r, V = mask.shape
-    if V % 8 or not mask.is_contiguous() or sys.byteorder != "little":
+    if V % 8 or not mask.is_contiguous() or sys.byteorder != "little" or mask.numel() < _WORD_SCAN_MIN:
         return mask.nonzero(as_tuple=True)
     words = mask.view(torch.int64).view(-1)
     at = words.nonzero()[:, 0]
+    if 4 * at.numel() > words.numel():
+        return mask.nonzero(as_tuple=True)
     v = words[at]
     low = v & -v  # the lowest set byte's bit
     first = at * 8 + (((low.float().view(torch.int32) >> 23) - 127) >> 3)
