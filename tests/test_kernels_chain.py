@@ -8,14 +8,13 @@ float rounding tie, so no mismatch is allowed.
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
 import specsampler as ss
+from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 from specsampler.kernels import chain as kchain
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
 METHODS = ("token", "block", "target_only", "greedy")
 SAMPLED = ("token", "block")
 K_MAX = 5
@@ -59,35 +58,20 @@ def _case(g, method, B, K, V):
     return p, x, q, num_drafts
 
 
-def _on_device(*tensors):
-    return [None if t is None else t.to(DEVICE) for t in tensors]
-
-
-def _same(kernel, ref, label):
-    tokens, num_accepted = kernel
-    assert torch.equal(num_accepted, ref.num_accepted), f"{label}: num_accepted {num_accepted} != {ref.num_accepted}"
-    assert torch.equal(tokens, ref.tokens), f"{label}: tokens\n{tokens}\n!= reference\n{ref.tokens}"
-
-
-def _shape(g, b_max=6):
-    return (int(torch.randint(1, b_max + 1, (1,), generator=g)), int(torch.randint(1, K_MAX + 1, (1,), generator=g)),
-            int(torch.randint(3, 301, (1,), generator=g)))
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_kernel_equals_the_reference_on_philox_streams(method):
     g = torch.Generator().manual_seed(100 + METHODS.index(method))
     lengths = set()
     for case in range(16):
-        B, K, V = _shape(g) if case else (6, K_MAX, 257)
+        B, K, V = chain_shape(g, 6, K_MAX) if case else (6, K_MAX, 257)
         seed = torch.randint(-(2**62), 2**62, (B,), generator=g)
         offset = torch.randint(0, 2**40, (B,), generator=g)
-        p, x, q, n, seed, offset = _on_device(*_case(g, method, B, K, V), seed, offset)
+        p, x, q, n, seed, offset = to_device((*_case(g, method, B, K, V), seed, offset))
         if case == 0:  # full chains: long accepted runs are likely
             n = torch.full_like(n, K)
         ref = ss.verify_chain(p, x, q, num_drafts=n, method=method, rng=ss.Philox(seed, offset))
         out = kchain.verify_chain(p, x, q, n, method, seed, offset, block_v=(64, 128, 256)[case % 3])
-        _same(out, ref, f"{method} case {case} B={B} K={K} V={V}")
+        assert_same_chain(out, ref, f"{method} case {case} B={B} K={K} V={V}")
         lengths |= set(ref.num_accepted.tolist())
     assert lengths == set(range(K_MAX + 1)), f"acceptance lengths seen: {sorted(lengths)}"
 
@@ -96,33 +80,33 @@ def test_kernel_equals_the_reference_on_philox_streams(method):
 def test_kernel_equals_the_reference_on_a_torch_generator(method):
     g = torch.Generator().manual_seed(200 + METHODS.index(method))
     for case in range(6):
-        B, K, V = _shape(g)
-        p, x, q, n = _on_device(*_case(g, method, B, K, V))
+        B, K, V = chain_shape(g, 6, K_MAX)
+        p, x, q, n = to_device(_case(g, method, B, K, V))
         ref = ss.verify_chain(p, x, q, num_drafts=n, method=method, rng=torch.Generator().manual_seed(case))
         rng = torch.Generator().manual_seed(case)  # the reference's draws, in its order
         u_sample = torch.rand(B, K + 1, generator=rng)
         u_accept = torch.rand(B, K + 1, generator=rng) if method in SAMPLED else None
-        u_sample, u_accept = _on_device(u_sample, u_accept)
+        u_sample, u_accept = to_device((u_sample, u_accept))
         out = kchain.verify_chain(p, x, q, n, method, u_accept=u_accept, u_sample=u_sample, block_v=64)
-        _same(out, ref, f"{method} case {case} B={B} K={K} V={V}")
+        assert_same_chain(out, ref, f"{method} case {case} B={B} K={K} V={V}")
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_empty_chains_full_chains_and_strided_half_precision_inputs(method):
     g = torch.Generator().manual_seed(300 + METHODS.index(method))
     B, K, V = 5, 3, 131
-    seed, offset = _on_device(torch.arange(B) * 7919, torch.full((B,), 3))
+    seed, offset = to_device((torch.arange(B) * 7919, torch.full((B,), 3)))
     for k in (0, K):  # K = 0: only the bonus row; num_drafts None: all K drafts
-        p, x, q, _ = _on_device(*_case(g, method, B, k, V))
+        p, x, q, _ = to_device(_case(g, method, B, k, V))
         ref = ss.verify_chain(p, x, q, method=method, rng=ss.Philox(seed, offset))
-        _same(kchain.verify_chain(p, x, q, None, method, seed, offset, block_v=32), ref, f"{method} K={k}")
-    p, x, q, n = _on_device(*_case(g, method, B, K, V))
+        assert_same_chain(kchain.verify_chain(p, x, q, None, method, seed, offset, block_v=32), ref, f"{method} K={k}")
+    p, x, q, n = to_device(_case(g, method, B, K, V))
     wide = torch.zeros(B, K + 3, V, dtype=torch.float16, device=DEVICE)
     wide[:, 1 : K + 2] = p.half()  # a [B, K+1, V] view with a batch stride of (K+3) * V
     target = wide[:, 1 : K + 2]
     q = None if q is None else q.bfloat16()
     ref = ss.verify_chain(target, x.int(), q, num_drafts=n.int(), method=method, rng=ss.Philox(seed, offset))
-    _same(kchain.verify_chain(target, x.int(), q, n.int(), method, seed, offset, block_v=64), ref, method)
+    assert_same_chain(kchain.verify_chain(target, x.int(), q, n.int(), method, seed, offset, block_v=64), ref, method)
 
 
 def _stopping_case(g, method, B, K, V):
@@ -142,8 +126,6 @@ def _stopping_case(g, method, B, K, V):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records loads in the Triton interpreter")
 @pytest.mark.parametrize("method", METHODS)
 def test_rows_after_the_stopping_position_are_never_loaded(method, monkeypatch):
-    from triton.runtime.interpreter import InterpreterBuilder
-
     g = torch.Generator().manual_seed(400 + METHODS.index(method))
     B, K, V = 6, K_MAX, 100
     p, x, q, n, r = _stopping_case(g, method, B, K, V)
@@ -152,27 +134,15 @@ def test_rows_after_the_stopping_position_are_never_loaded(method, monkeypatch):
     after = torch.arange(K + 1) > r[:, None]  # [B, K+1]: rows past each request's stop
     p_poisoned = p.masked_fill(after[..., None], float("nan"))
     q_poisoned = None if q is None else q.masked_fill(after[:, :K, None], float("nan"))
-
-    loaded = []
-    load = InterpreterBuilder.create_masked_load
-
-    def recording_load(self, ptrs, mask, *args):
-        loaded.append(ptrs.data[mask.data.astype(bool)])
-        return load(self, ptrs, mask, *args)
-
-    with monkeypatch.context() as m:
-        m.setattr(InterpreterBuilder, "create_masked_load", recording_load)
+    with recorded_loads(monkeypatch) as loaded:
         out = kchain.verify_chain(p_poisoned, x, q_poisoned, n, method, seed, offset, block_v=32)
-    _same(out, ref, method)
+    assert_same_chain(out, ref, method)
     assert (out[1] <= r).all()
-    addresses = torch.from_numpy(np.concatenate(loaded).astype(np.int64))
+    assert row_reads(loaded, p_poisoned)[~after].gt(0).any()  # the recording sees the rows read
     for name, t, rows in (("target_probs", p_poisoned, after), ("draft_probs", q_poisoned, after[:, :K])):
-        if t is None:
-            continue
-        first = t.data_ptr() + t.element_size() * t.stride(0) * torch.arange(B)[:, None]
-        starts = (first + t.element_size() * t.stride(1) * torch.arange(t.shape[1]))[rows]
-        hit = (addresses[:, None] >= starts) & (addresses[:, None] < starts + t.element_size() * V)
-        assert not hit.any(), f"{method}: loaded {int(hit.any(0).sum())} {name} rows past the stopping position"
+        if t is not None:
+            hit = row_reads(loaded, t)[rows]
+            assert not hit.any(), f"{method}: loaded {int(hit.gt(0).sum())} {name} rows past the stopping position"
 
 
 def test_draws_at_exact_boundaries_follow_the_strict_rules(monkeypatch):
@@ -188,7 +158,7 @@ def test_draws_at_exact_boundaries_follow_the_strict_rules(monkeypatch):
     q[..., [1, 3]], q[..., 40] = 0.5, 0.25  # u * q == p(x) at u = 0.5 for x in {1, 3}; a_1 = 1 for x = 40
     q[:, 1, 66] = 0.25  # then S_1 = 0: h_1 = 0 (block)
     # the same uniform at every index of both streams
-    p, q, grid = _on_device(w.expand(B, K + 1, V).contiguous(), q, u[:, None].expand(B, K + 1).contiguous())
+    p, q, grid = to_device((w.expand(B, K + 1, V).contiguous(), q, u[:, None].expand(B, K + 1).contiguous()))
     monkeypatch.setattr(ss.chain, "uniform", lambda rng, op, b, n, stream, dev: grid[:, :n].clone())
     for x in ([1, 3], [40, 1], [40, 2], [3, 66]):
         drafts = torch.tensor(x, device=DEVICE).expand(B, K).contiguous()
@@ -196,5 +166,5 @@ def test_draws_at_exact_boundaries_follow_the_strict_rules(monkeypatch):
             draft = q if method in SAMPLED else None
             ref = ss.verify_chain(p, drafts, draft, method=method)
             out = kchain.verify_chain(p, drafts, draft, None, method, u_accept=grid, u_sample=grid, block_v=32)
-            _same(out, ref, f"{method} drafts {x}")
+            assert_same_chain(out, ref, f"{method} drafts {x}")
     assert ss.verify_chain(p, drafts, method="greedy").tokens[:, 0].eq(1).all()

@@ -12,17 +12,16 @@ import math
 import os
 from typing import NamedTuple
 
-import numpy as np
 import pytest
 import torch
 
 import specsampler as ss
+from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 from specsampler import SamplingParams as SP
 from specsampler.kernels import chain_logits as kchain
 from specsampler.kernels import sampling as ksampling
 from specsampler.processing import sample_by_inversion
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
 METHODS = ("token", "block", "target_only", "greedy")
 SAMPLED = ("token", "block")
 K_MAX = 4
@@ -111,10 +110,6 @@ def _case(g, method, B, K, V, kind, far=0.5, noise=True):
     return Case(logits, params, mask, x, q, n)
 
 
-def _on_device(case: Case) -> Case:
-    return Case(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in case))
-
-
 def _reference(c: Case, method, rng):
     return ss.verify_chain_from_logits(c.logits, c.x, c.params, draft_probs=c.q, num_drafts=c.n, method=method,
                                        rng=rng, vocab_mask=c.mask)
@@ -144,35 +139,24 @@ def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False):
                                            offset, u_accept, u_sample, block_v=block_v, chunk=cfg[0], cand=cfg[1])
 
 
-def _same(kernel, ref, label):
-    tokens, num_accepted = kernel
-    assert torch.equal(num_accepted, ref.num_accepted), f"{label}: num_accepted {num_accepted} != {ref.num_accepted}"
-    assert torch.equal(tokens, ref.tokens), f"{label}: tokens\n{tokens}\n!= reference\n{ref.tokens}"
-
-
-def _shape(g, b_max=5):
-    return (int(torch.randint(1, b_max + 1, (1,), generator=g)), int(torch.randint(1, K_MAX + 1, (1,), generator=g)),
-            int(torch.randint(3, 301, (1,), generator=g)))
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_kernel_equals_the_reference_on_philox_streams(method):
     g = torch.Generator().manual_seed(100 + METHODS.index(method))
     lengths = set()
     for case in range(10):
-        B, K, V = _shape(g) if case else (5, K_MAX, 257)
+        B, K, V = chain_shape(g, 5, K_MAX) if case else (5, K_MAX, 257)
         kind = ("peaked", "normal", "ties")[case % 3]
         c = _case(g, method, B, K, V, kind, far=0.5 if case else 0.0, noise=case > 0)
         if case == 0:  # chains of K and K - 1 drafts: long accepted runs are likely
             c = c._replace(n=K - torch.arange(B) % 2)
         if case % 4 == 1:  # half-precision logits
             c = c._replace(logits=c.logits.to((torch.float16, torch.bfloat16)[case % 8 // 4]))
-        c = _on_device(c)
+        c = to_device(c)
         rng = ss.Philox(torch.randint(-(2**62), 2**62, (B,), generator=g).to(DEVICE),
                         torch.randint(0, 2**40, (B,), generator=g).to(DEVICE))
         ref = _reference(c, method, rng)
         out = _kernel(c, method, rng, CONFIGS[case % 3], block_v=(64, 128, 512)[case % 3], flat_mask=case % 2 == 0)
-        _same(out, ref, f"{method} case {case} {kind} B={B} K={K} V={V} {c.logits.dtype} {c.params}")
+        assert_same_chain(out, ref, f"{method} case {case} {kind} B={B} K={K} V={V} {c.logits.dtype} {c.params}")
         lengths |= set(ref.num_accepted.tolist())
     assert lengths == set(range(K_MAX + 1)), f"acceptance lengths seen: {sorted(lengths)}"
 
@@ -181,11 +165,11 @@ def test_kernel_equals_the_reference_on_philox_streams(method):
 def test_kernel_equals_the_reference_on_a_torch_generator(method):
     g = torch.Generator().manual_seed(200 + METHODS.index(method))
     for case in range(3):
-        B, K, V = _shape(g)
-        c = _on_device(_case(g, method, B, K, V, ("normal", "ties", "peaked")[case]))
+        B, K, V = chain_shape(g, 5, K_MAX)
+        c = to_device(_case(g, method, B, K, V, ("normal", "ties", "peaked")[case]))
         ref = _reference(c, method, torch.Generator().manual_seed(case))
         out = _kernel(c, method, torch.Generator().manual_seed(case), CONFIGS[case % 3])
-        _same(out, ref, f"{method} case {case} B={B} K={K} V={V} {c.params}")
+        assert_same_chain(out, ref, f"{method} case {case} B={B} K={K} V={V} {c.params}")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -194,13 +178,13 @@ def test_empty_chains_full_chains_and_strided_half_precision_logits(method):
     B, K, V = 4, 3, 131
     rng = ss.Philox(torch.arange(B, device=DEVICE) * 7919, torch.full((B,), 3, device=DEVICE))
     for k in (0, K):  # K = 0: only the bonus row; num_drafts None: all K drafts
-        c = _on_device(_case(g, method, B, k, V, "peaked")._replace(n=None))
-        _same(_kernel(c, method, rng), _reference(c, method, rng), f"{method} K={k}")
-    c = _on_device(_case(g, method, B, K, V, "normal"))
+        c = to_device(_case(g, method, B, k, V, "peaked")._replace(n=None))
+        assert_same_chain(_kernel(c, method, rng), _reference(c, method, rng), f"{method} K={k}")
+    c = to_device(_case(g, method, B, K, V, "normal"))
     wide = torch.zeros(B, K + 3, V + 5, dtype=torch.bfloat16, device=DEVICE)
     wide[:, 1 : K + 2, :V] = c.logits.bfloat16()  # a [B, K+1, V] view with row stride V + 5
     c = c._replace(logits=wide[:, 1 : K + 2, :V], x=c.x.int(), n=c.n.int())
-    _same(_kernel(c, method, rng, (16, 32)), _reference(c, method, rng), f"{method} strided")
+    assert_same_chain(_kernel(c, method, rng, (16, 32)), _reference(c, method, rng), f"{method} strided")
 
 
 def test_block_residuals_after_partial_acceptance_are_scaled_by_a(monkeypatch):
@@ -227,7 +211,7 @@ def test_block_residuals_after_partial_acceptance_are_scaled_by_a(monkeypatch):
     assert (unscaled != ref.tokens[:, 1])[0::2].any() and (unscaled != ref.tokens[:, 1])[1::2].any()  # a_1 matters
     out = kchain.verify_chain_from_logits(logits, x, q, None, "block", *_row_params(params, B, K + 1),
                                           u_accept=eta, u_sample=u_sample, block_v=32, chunk=16, cand=64)
-    _same(out, ref, "block")
+    assert_same_chain(out, ref, "block")
 
 
 def test_target_only_draws_the_tokens_of_sample_from_logits():
@@ -239,7 +223,7 @@ def test_target_only_draws_the_tokens_of_sample_from_logits():
     c = c._replace(params=SP(temperature=torch.tensor([1.0, 0.8, 1.1, 0.0]), top_k=torch.tensor([0, 5, 0, 0]),
                              top_p=torch.tensor([1.0, 0.9, 0.95, 1.0]), min_p=torch.tensor([0.05, 0.0, 0.0, 0.0])),
                    mask=None, n=None)
-    c = _on_device(c)
+    c = to_device(c)
     rng = ss.Philox(torch.tensor([11, 12, 13, 14], device=DEVICE), torch.tensor([0, 5, 9, 2], device=DEVICE))
     rp = _row_params(c.params, B, K + 1)
     tokens, n = kchain.verify_chain_from_logits(c.logits, c.x, None, None, "target_only", *rp, seed=rng.seed,
@@ -277,8 +261,6 @@ def _stopping_case(g, method, B, K, V):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records loads in the Triton interpreter")
 @pytest.mark.parametrize("method", METHODS)
 def test_rows_after_the_stopping_position_are_never_loaded(method, monkeypatch):
-    from triton.runtime.interpreter import InterpreterBuilder
-
     g = torch.Generator().manual_seed(400 + METHODS.index(method))
     B, K, V = 5, K_MAX, 100
     c, r = _stopping_case(g, method, B, K, V)
@@ -287,29 +269,16 @@ def test_rows_after_the_stopping_position_are_never_loaded(method, monkeypatch):
     after = torch.arange(K + 1) > r[:, None]  # [B, K+1]: rows past each request's stop
     poisoned = c._replace(logits=c.logits.masked_fill(after[..., None], float("nan")),
                           q=None if c.q is None else c.q.masked_fill(after[:, :K, None], float("nan")))
-
-    loaded = []
-    load = InterpreterBuilder.create_masked_load
-
-    def recording_load(self, ptrs, mask, *args):
-        loaded.append(ptrs.data[mask.data.astype(bool)])
-        return load(self, ptrs, mask, *args)
-
-    with monkeypatch.context() as m:
-        m.setattr(InterpreterBuilder, "create_masked_load", recording_load)
+    with recorded_loads(monkeypatch) as loaded:
         out = _kernel(poisoned, method, rng, (8, 16), block_v=32)
-    _same(out, ref, method)
+    assert_same_chain(out, ref, method)
     assert (out[1] <= r).all()
-    addresses = torch.from_numpy(np.concatenate(loaded).astype(np.int64))
-    mask_bytes = poisoned.mask.view(torch.uint8)
-    for name, t, rows in (("target_logits", poisoned.logits, after), ("vocab_mask", mask_bytes, after),
+    assert row_reads(loaded, poisoned.logits)[~after].gt(0).any()  # the recording sees the rows read
+    for name, t, rows in (("target_logits", poisoned.logits, after), ("vocab_mask", poisoned.mask, after),
                           ("draft_probs", poisoned.q, after[:, :K])):
-        if t is None:
-            continue
-        first = t.data_ptr() + t.element_size() * t.stride(0) * torch.arange(B)[:, None]
-        starts = (first + t.element_size() * t.stride(1) * torch.arange(t.shape[1]))[rows]
-        hit = (addresses[:, None] >= starts) & (addresses[:, None] < starts + t.element_size() * V)
-        assert not hit.any(), f"{method}: loaded {int(hit.any(0).sum())} {name} rows past the stopping position"
+        if t is not None:
+            hit = row_reads(loaded, t)[rows]
+            assert not hit.any(), f"{method}: loaded {int(hit.gt(0).sum())} {name} rows past the stopping position"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -329,9 +298,9 @@ def test_rows_without_an_allowed_token(method):
     kinds = dict(temperature=[1.0, 0.0, 0.7, 1.3], top_k=[0, 0, 0, 3], top_p=[0.8, 1.0, 1.0, 0.8], min_p=[0, 0, 0.2, 0])
     for shift in (0, 1):  # request 0 with top-p alone, then with top-k and top-p
         params = SP(**{name: torch.tensor(v).roll(shift) for name, v in kinds.items()})
-        c = _on_device(c._replace(mask=mask, params=params, x=x, n=None))
+        c = to_device(c._replace(mask=mask, params=params, x=x, n=None))
         out = _kernel(c, method, rng, (8, 16))
-        _same(out, _reference(c, method, rng), f"{method} {params}")
+        assert_same_chain(out, _reference(c, method, rng), f"{method} {params}")
         assert out[0][0].tolist() == ([0, -1, -1] if method in SAMPLED else [0, 0, 0])
 
 
@@ -344,7 +313,7 @@ def test_greedy_rows_of_a_sampled_batch_emit_the_argmax():
     params = SP(temperature=0.0, top_k=torch.tensor([0, 2, 0]), top_p=torch.tensor([1.0, 0.5, 1.0]))
     q = torch.full((B, K, V), 1.0 / V)
     for method in ("token", "block", "target_only"):
-        c = _on_device(Case(logits, params, None, best[:, :K], q if method in SAMPLED else None, None))
+        c = to_device(Case(logits, params, None, best[:, :K], q if method in SAMPLED else None, None))
         tokens, n = _kernel(c, method, ss.Philox(torch.arange(B, device=DEVICE)))
         assert torch.equal(tokens, best.to(DEVICE)) and (n == K).all(), method
 
@@ -389,7 +358,7 @@ def test_draws_at_exact_boundaries_follow_the_strict_rules(monkeypatch):
             ref = ss.verify_chain_from_logits(logits, drafts, params, draft_probs=draft, method=method)
             out = kchain.verify_chain_from_logits(logits, drafts, draft, None, method, *rp, u_accept=grid,
                                                   u_sample=grid, block_v=32, chunk=8, cand=16)
-            _same(out, ref, f"{method} drafts {x} {params}")
+            assert_same_chain(out, ref, f"{method} drafts {x} {params}")
     assert ss.verify_chain_from_logits(logits, drafts, method="greedy").tokens[:, 0].eq(1).all()
 
 
@@ -408,7 +377,7 @@ def test_outputs_stay_in_range_on_degenerate_logits():
     for shift in (0, 2):
         logits = rows.roll(shift, 0)[:, None].expand(B, K + 1, V).contiguous()
         for method in METHODS:
-            c = _on_device(Case(logits, params, None, x, q if method in SAMPLED else None, None))
+            c = to_device(Case(logits, params, None, x, q if method in SAMPLED else None, None))
             tokens, n = _kernel(c, method, rng, (8, 16))
             emitted = tokens.gather(1, n[:, None])[:, 0]
             assert ((tokens >= -1) & (tokens < V)).all() and ((emitted >= 0) & (n <= K)).all(), (method, shift)

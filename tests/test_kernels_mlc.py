@@ -8,10 +8,9 @@ residual's mass in another order), so they are compared with a relative toleranc
 import pytest
 import torch
 
+from kernelcheck import DEVICE
 from specsampler import mlc
 from specsampler.kernels import mlc as kmlc
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
 
 
 @pytest.fixture(autouse=True)

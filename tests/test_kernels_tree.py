@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import specsampler as ss
+from kernelcheck import DEVICE
 from specsampler import TokenTree
 from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniform
 
 pytest.importorskip("triton")
 from specsampler.kernels.tree import verify_tree as tree_kernel  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 WALKS = [("greedy", "iid"), ("target_only", "iid"), ("rrs", "iid"), ("rrs", "without_replacement"),
          ("traversal", "iid"), ("traversal", "without_replacement")]
 SAMPLED = ("rrs", "traversal")
@@ -88,13 +88,13 @@ def _case(method: str, sampling: str, B: int, N: int, V: int, seed: int, mixes=(
     x = torch.where(dup, x.gather(1, prev.clamp(min=0)), x)
     bad = torch.tensor([-1, V, V + 5, -7])[torch.randint(0, 4, (B, N), generator=gen)]
     x = torch.where(torch.rand(B, N, generator=gen) < 0.07, bad, x)
-    return p.to(DEV), x.to(DEV), (q.to(DEV) if method in SAMPLED else None), tree.to(DEV)
+    return p.to(DEVICE), x.to(DEVICE), (q.to(DEVICE) if method in SAMPLED else None), tree.to(DEVICE)
 
 
 def _uniforms(method: str, rng, B: int, N: int):
     """``(u_accept, u_sample)`` as the reference draws them, in its order (accept first)."""
-    ua = uniform(rng, "test", B, N, STREAM_ACCEPT, DEV) if method in SAMPLED else None
-    us = uniform(rng, "test", B, N, STREAM_SAMPLE, DEV) if method != "greedy" else None
+    ua = uniform(rng, "test", B, N, STREAM_ACCEPT, DEVICE) if method in SAMPLED else None
+    us = uniform(rng, "test", B, N, STREAM_SAMPLE, DEVICE) if method != "greedy" else None
     return ua, us
 
 
@@ -122,8 +122,8 @@ def test_kernel_walks_equal_the_reference_on_random_trees(method, sampling):
         p, x, q, tree = _case(method, sampling, B, N, V, seed=case + 100 * len(method + sampling))
         if case % 2:
             keys = torch.Generator().manual_seed(case)
-            rng = ss.Philox(torch.randint(-(2**40), 2**40, (B,), generator=keys).to(DEV),
-                            torch.randint(0, 2**35, (B,), generator=keys).to(DEV))
+            rng = ss.Philox(torch.randint(-(2**40), 2**40, (B,), generator=keys).to(DEVICE),
+                            torch.randint(0, 2**35, (B,), generator=keys).to(DEVICE))
             ua, us = _uniforms(method, rng, B, N)
         else:
             ua, us = _uniforms(method, torch.Generator().manual_seed(case), B, N)
@@ -142,8 +142,8 @@ def test_in_kernel_philox_draws_the_reference_streams(method, sampling):
     computed in the kernel at (stream, node); default block size."""
     B, N, V = 8, 9, 6
     p, x, q, tree = _case(method, sampling, B, N, V, seed=3, mixes=(0.0, 0.3))  # many rejections
-    seed = torch.tensor([0, 1, -5, 2**40 + 3, -(2**50), 77, 2**63 - 1, -(2**63)], device=DEV)
-    offset = torch.tensor([0, 2**33 + 1, 5, 9, 2**32, 1, 2**62, 3], device=DEV)
+    seed = torch.tensor([0, 1, -5, 2**40 + 3, -(2**50), 77, 2**63 - 1, -(2**63)], device=DEVICE)
+    offset = torch.tensor([0, 2**33 + 1, 5, 9, 2**32, 1, 2**62, 3], device=DEVICE)
     ref = ss.verify_tree(p, x, tree, q, method=method, draft_sampling=sampling, rng=ss.Philox(seed, offset))
     _assert_same(_run(p, x, tree, q, method, sampling, seed=seed, offset=offset), ref, f"{method}/{sampling}")
 
@@ -154,15 +154,15 @@ def test_in_kernel_philox_uses_the_counter_of_each_node(method, sampling):
     drafts one-hot at their tokens; without replacement the shared q is [.5, .5, 0, 0]): which
     child is accepted, and every token, hang on the uniforms at the nodes' counters."""
     B, V = 16, 4
-    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0]] * B)).to(DEV)
-    p = torch.full((B, 4, V), 0.25, device=DEV)
-    x = torch.tensor([[0, 0, 1, 2]], device=DEV).expand(B, 4).contiguous()
+    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0]] * B)).to(DEVICE)
+    p = torch.full((B, 4, V), 0.25, device=DEVICE)
+    x = torch.tensor([[0, 0, 1, 2]], device=DEVICE).expand(B, 4).contiguous()
     q = torch.eye(V)[[0, 0, 1, 2]]
     if sampling == "without_replacement":
         q = torch.tensor([[0.5, 0.5, 0.0, 0.0]]).expand(4, V)
-    q = q.expand(B, 4, V).contiguous().to(DEV) if method in SAMPLED else None
-    seed = torch.randint(-(2**62), 2**62, (B,), generator=torch.Generator().manual_seed(5)).to(DEV)
-    offset = torch.arange(B, device=DEV) * (2**31 + 7)
+    q = q.expand(B, 4, V).contiguous().to(DEVICE) if method in SAMPLED else None
+    seed = torch.randint(-(2**62), 2**62, (B,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    offset = torch.arange(B, device=DEVICE) * (2**31 + 7)
     ref = ss.verify_tree(p, x, tree, q, method=method, draft_sampling=sampling, rng=ss.Philox(seed, offset))
     got = _run(p, x, tree, q, method, sampling, seed=seed, offset=offset)
     _assert_same(got, ref, f"{method}/{sampling}")
@@ -243,14 +243,14 @@ def test_residual_without_mass_keeps_the_previous_distribution(method, sampling)
     into the spare row) and without mass after the third, so the draw keeps [0, 0, .5, .5].
     Dyadic values keep every step exact (a stays 1)."""
     B, V = 16, 4
-    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0]] * B)).to(DEV)
-    p = torch.tensor([0.125, 0.125, 0.375, 0.375], device=DEV).expand(B, 4, V).contiguous()
-    q = torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 2 + [[0.0, 0.5, 0.25, 0.25], [0.0, 0.0, 0.5, 0.5]], device=DEV)
+    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0]] * B)).to(DEVICE)
+    p = torch.tensor([0.125, 0.125, 0.375, 0.375], device=DEVICE).expand(B, 4, V).contiguous()
+    q = torch.tensor([[0.5, 0.25, 0.125, 0.125]] * 2 + [[0.0, 0.5, 0.25, 0.25], [0.0, 0.0, 0.5, 0.5]], device=DEVICE)
     q = q.expand(B, 4, V).contiguous()
     if sampling == "without_replacement":
         q = q[:, [1, 1, 1, 1]].contiguous()  # the first child's q, shared
-    x = torch.tensor([[0, -1, 1, 1]], device=DEV).expand(B, 4).contiguous()
-    rng = ss.Philox(torch.arange(B, device=DEV))
+    x = torch.tensor([[0, -1, 1, 1]], device=DEVICE).expand(B, 4).contiguous()
+    rng = ss.Philox(torch.arange(B, device=DEVICE))
     ua, us = _uniforms(method, rng, B, 4)
     got = _run(p, x, tree, q, method, sampling, u_accept=ua, u_sample=us)
     _assert_same(got, ss.verify_tree(p, x, tree, q, method=method, draft_sampling=sampling, rng=rng), method)
@@ -266,16 +266,16 @@ def test_traversal_slots_keep_their_own_scratch_rows(sampling):
     or deleted, making the root's Mb [0, 0, 0, 1]; B (a = 0) is pushed into A's slot and its
     Mb updated: that must not touch the root's, which draws token 3. Dyadic values: exact."""
     B, V = 16, 4
-    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0, 2, 2, 3]] * B)).to(DEV)
+    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0, 2, 2, 3]] * B)).to(DEVICE)
     quarter = [0.25] * 4
     p = torch.tensor([[0.0, 0.375, 0.375, 0.25], quarter, quarter, quarter, quarter, quarter, quarter])
     q = torch.tensor([quarter, [0.5, 0.25, 0.25, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0],
                       [0.125, 0.125, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0], quarter])
     if sampling == "without_replacement":  # siblings hold the first child's q; removals give the rows above
         q = q[[0, 1, 1, 1, 4, 4, 6]]
-    p, q = p.expand(B, 7, V).contiguous().to(DEV), q.expand(B, 7, V).contiguous().to(DEV)
-    x = torch.tensor([[0, -1, 1, 0, V + 2, -1, V]], device=DEV).expand(B, 7).contiguous()
-    rng = ss.Philox(torch.arange(B, device=DEV) + 1000)
+    p, q = p.expand(B, 7, V).contiguous().to(DEVICE), q.expand(B, 7, V).contiguous().to(DEVICE)
+    x = torch.tensor([[0, -1, 1, 0, V + 2, -1, V]], device=DEVICE).expand(B, 7).contiguous()
+    rng = ss.Philox(torch.arange(B, device=DEVICE) + 1000)
     ua, us = _uniforms("traversal", rng, B, 7)
     path, n, y = got = _run(p, x, tree, q, "traversal", sampling, u_accept=ua, u_sample=us)
     _assert_same(got, ss.verify_tree(p, x, tree, q, method="traversal", draft_sampling=sampling, rng=rng), sampling)
@@ -287,11 +287,11 @@ def test_traversal_slots_keep_their_own_scratch_rows(sampling):
 def test_root_only_trees_draw_from_the_root_row(method, sampling):
     """N = 1 (max_depth 0): the path is the root, the token is drawn from its row."""
     B, V = 4, 7
-    tree = TokenTree.from_parents(torch.full((B, 1), -1)).to(DEV)
-    p = torch.softmax(torch.randn(B, 1, V, generator=torch.Generator().manual_seed(2)), -1).to(DEV)
-    x = torch.zeros(B, 1, dtype=torch.int64, device=DEV)
+    tree = TokenTree.from_parents(torch.full((B, 1), -1)).to(DEVICE)
+    p = torch.softmax(torch.randn(B, 1, V, generator=torch.Generator().manual_seed(2)), -1).to(DEVICE)
+    x = torch.zeros(B, 1, dtype=torch.int64, device=DEVICE)
     q = p if method in SAMPLED else None
-    rng = ss.Philox(torch.arange(B, device=DEV) + 9)
+    rng = ss.Philox(torch.arange(B, device=DEVICE) + 9)
     ua, us = _uniforms(method, rng, B, 1)
     got = _run(p, x, tree, q, method, sampling, u_accept=ua, u_sample=us)
     assert got[0].shape == (B, 1) and (got[0] == 0).all() and (got[1] == 0).all()
@@ -304,7 +304,7 @@ def test_half_precision_rows_are_read_as_float32(method, dtype):
     B, N, V = 8, 9, 6
     p, x, q, tree = _case(method, "iid", B, N, V, seed=6, mixes=(0.0, 0.6))
     p, q = p.to(dtype), None if q is None else q.to(dtype)
-    rng = ss.Philox(torch.arange(B, device=DEV))
+    rng = ss.Philox(torch.arange(B, device=DEVICE))
     ua, us = _uniforms(method, rng, B, N)
     got = _run(p, x, tree, q, method, "iid", u_accept=ua, u_sample=us)
     _assert_same(got, ss.verify_tree(p, x, tree, q, method=method, rng=rng), f"{method} {dtype}")

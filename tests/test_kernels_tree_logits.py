@@ -13,11 +13,11 @@ small vocabularies.
 import os
 from typing import NamedTuple
 
-import numpy as np
 import pytest
 import torch
 
 import specsampler as ss
+from kernelcheck import DEVICE, recorded_loads, row_reads, to_device
 from specsampler import SamplingParams as SP
 from specsampler import TokenTree
 from specsampler.rng import STREAM_ACCEPT, uniform
@@ -26,7 +26,6 @@ pytest.importorskip("triton")
 from specsampler.kernels import sampling as ksampling  # noqa: E402
 from specsampler.kernels import tree_logits as ktree  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs on CPU tensors
 WALKS = [("greedy", "iid"), ("target_only", "iid"), ("rrs", "iid"), ("rrs", "without_replacement"),
          ("traversal", "iid"), ("traversal", "without_replacement")]
 SAMPLED = ("rrs", "traversal")
@@ -146,10 +145,6 @@ def _case(g, method, sampling, B, N, V, kind, masked=True) -> Case:
     return Case(logits, params, flat, x, q, tree)
 
 
-def _on_device(c: Case) -> Case:
-    return Case(*(t.to(DEVICE) if isinstance(t, (torch.Tensor, TokenTree)) else t for t in c))
-
-
 def _reference(c: Case, method, sampling, rng):
     B, N, V = c.logits.shape
     mask = None if c.mask is None else c.mask.view(B, N, V)
@@ -198,7 +193,7 @@ def test_kernel_walks_equal_the_reference_on_random_trees(method, sampling):
         c = _case(g, method, sampling, B, N, V, kind)
         if case % 3 == 1:
             c = c._replace(logits=c.logits.to((torch.float16, torch.bfloat16)[case % 2]))
-        c = _on_device(c)
+        c = to_device(c)
         if case % 2:
             rng = ss.Philox(torch.randint(-(2**62), 2**62, (B,), generator=g).to(DEVICE),
                             torch.randint(0, 2**40, (B,), generator=g).to(DEVICE))
@@ -220,7 +215,7 @@ def test_target_only_draws_the_tokens_of_sample_from_logits():
     to the child carrying it and emits the last one."""
     g = torch.Generator().manual_seed(7)
     B, N, V = 4, 6, 150
-    c = _on_device(_case(g, "target_only", "iid", B, N, V, "peaked"))
+    c = to_device(_case(g, "target_only", "iid", B, N, V, "peaked"))
     rng = ss.Philox(torch.tensor([11, -12, 2**40 + 13, 14], device=DEVICE),
                     torch.tensor([0, 5, 2**33, 2], device=DEVICE))
     cfg = CONFIGS[1]
@@ -275,8 +270,6 @@ def test_rows_the_walk_does_not_need_are_never_loaded(method, sampling, monkeypa
     not need (target_only, greedy, rrs: off the path; rrs also draft rows of untested children;
     traversal: leaves off the path and nodes after the last node's subtree). Those rows NaN-poisoned,
     the results stay those of the reference. greedy reads each row of its path exactly once."""
-    from triton.runtime.interpreter import InterpreterBuilder
-
     g = torch.Generator().manual_seed(40 + WALKS.index((method, sampling)))
     B, N, V = 4, 9, 70
     c = _case(g, method, sampling, B, N, V, "peaked", masked=False)
@@ -290,29 +283,17 @@ def test_rows_the_walk_does_not_need_are_never_loaded(method, sampling, monkeypa
         unneeded[1][b, list(drafts)] = False
     poisoned = c._replace(logits=c.logits.masked_fill(unneeded[0][..., None], float("nan")),
                           q=None if c.q is None else c.q.masked_fill(unneeded[1][..., None], float("nan")))
-    loaded = []
-    load = InterpreterBuilder.create_masked_load
-
-    def recording_load(self, ptrs, mask, *args):
-        loaded.append(ptrs.data[mask.data.astype(bool)])
-        return load(self, ptrs, mask, *args)
-
-    with monkeypatch.context() as m:
-        m.setattr(InterpreterBuilder, "create_masked_load", recording_load)
+    with recorded_loads(monkeypatch) as loaded:
         out = _kernel(poisoned, method, sampling, rng)
     assert all(torch.equal(a, b) for a, b in zip(out, first))
     _same(out, _reference(poisoned, method, sampling, rng), f"{method}/{sampling}")
     assert unneeded[0].sum() > B and (c.q is None or unneeded[1].sum() > B)  # the test poisons something
-    addresses = torch.from_numpy(np.concatenate(loaded).astype(np.int64))
     rows = (("target_logits", poisoned.logits, unneeded[0]), ("vocab_mask", poisoned.mask.view(B, N, V), unneeded[0]),
             ("draft_probs", poisoned.q, unneeded[1]))
     for name, t, off in rows:
         if t is None:
             continue
-        starts = t.data_ptr() + t.element_size() * (t.stride(0) * torch.arange(B)[:, None] + t.stride(1) *
-                                                    torch.arange(N))
-        hit = (addresses[:, None] >= starts.view(-1)) & (addresses[:, None] < starts.view(-1) + t.element_size() * V)
-        reads = hit.sum(0).view(B, N)
+        reads = row_reads(loaded, t)
         assert not reads[off].any(), f"{method}/{sampling}: loaded {int(reads[off].gt(0).sum())} {name} rows not needed"
         if method == "greedy" and name == "target_logits":
             assert torch.equal(reads, torch.where(off, 0, V)), reads
@@ -347,13 +328,13 @@ def test_root_only_trees_strided_half_precision_logits_and_empty_batches(method,
     B, N, V = 3, 1, 45
     c = _case(g, method, sampling, B, N, V, "normal", masked=False)
     rng = ss.Philox(torch.arange(B, device=DEVICE) * 7919)
-    ref = _reference(_on_device(c), method, sampling, rng)
+    ref = _reference(to_device(c), method, sampling, rng)
     assert (ref.num_accepted == 0).all()
     wide = torch.zeros(B, N + 2, V + 3, dtype=torch.bfloat16)
     wide[:, 1 : N + 1, :V] = c.logits.bfloat16()
     mask = torch.rand(B, N + 1, V + 5, generator=g) < 0.7
     mask[..., 0] = True
-    c = _on_device(c._replace(logits=wide[:, 1 : N + 1, :V], mask=mask[:, :N, :V]))
+    c = to_device(c._replace(logits=wide[:, 1 : N + 1, :V], mask=mask[:, :N, :V]))
     ref = ss.verify_tree_from_logits(c.logits, c.x, c.tree, c.params, draft_probs=c.q, method=method,
                                      draft_sampling=sampling, rng=rng, vocab_mask=c.mask)
     _same(_kernel(c, method, sampling, rng), ref, f"{method}/{sampling} strided")
@@ -415,7 +396,7 @@ def test_real_kernels_on_large_vocabularies(method, sampling):
     for V, dtype in ((32000, torch.float32), (128256, torch.bfloat16)):
         B, N = 16, 16
         c = _case(g, method, sampling, B, N, V, "peaked")
-        c = _on_device(c._replace(logits=c.logits.to(dtype)))
+        c = to_device(c._replace(logits=c.logits.to(dtype)))
         philox = ss.Philox(torch.arange(B, device=DEVICE) + V)
         generators = torch.Generator(DEVICE).manual_seed(V), torch.Generator(DEVICE).manual_seed(V)
         for ref_rng, kernel_rng in ((philox, philox), generators):
