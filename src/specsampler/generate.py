@@ -134,13 +134,18 @@ class _KV:
             self.cache.crop(-extra)  # a negative count removes tokens (transformers 4.x and 5.x)
 
 
+def _causal(real: Tensor) -> Tensor:
+    """bool ``[B, n, n]``: each of n new tokens sees the real ones (``real`` bool ``[B, n]``) up to
+    itself, and always itself, so that every query attends to something."""
+    n = real.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=real.device).tril()
+    return (causal & real[:, None, :]) | torch.eye(n, dtype=torch.bool, device=real.device)
+
+
 def _prefill(kv: _KV, input_ids: Tensor, real: Tensor) -> Tensor:
     """Feed the prompts (left-padded; ``real`` bool ``[B, L]``); returns the last row's logits ``[B, V]``."""
-    L = input_ids.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=real.device).tril()
-    visible = (causal & real[:, None, :]) | torch.eye(L, dtype=torch.bool, device=real.device)
     positions = (real.long().cumsum(1) - 1).clamp(min=0)
-    return kv.forward(input_ids, positions, visible, committed=real)[:, -1]
+    return kv.forward(input_ids, positions, _causal(real), committed=real)[:, -1]
 
 
 # ------------------------------------------------------------------------------ tree layout
@@ -169,7 +174,6 @@ class _Shape:
     def parents(self) -> list[int]:
         lv = self.levels()
         return [-1] + [lv[d - 1].start + k // c for d, c in enumerate(self.branching, 1) for k in range(len(lv[d]))]
-
 
 
 def _visible_nodes(tree: TokenTree) -> Tensor:
@@ -233,9 +237,7 @@ def _draft(dkv: _KV, pending: Tensor, pending_on: Tensor, pos_root: Tensor, shap
     dev = pending.device
     P = 2 if bool(pending_on[:, 0].any()) else 1
     toks, on = pending[:, 2 - P:], pending_on[:, 2 - P:]
-    vis = (torch.ones(P, P, dtype=torch.bool, device=dev).tril() & on[:, None, :]) | torch.eye(
-        P, dtype=torch.bool, device=dev)
-    visible = torch.cat([dkv.committed[:, None, :].expand(B, P, -1), vis], 2)
+    visible = torch.cat([dkv.committed[:, None, :].expand(B, P, -1), _causal(on)], 2)
     positions = (pos_root[:, None] - P + 1 + torch.arange(P, device=dev)).clamp(min=0)
     committed = torch.cat([on[:, :-1], torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
     root_slot = dkv.slots + P - 1
