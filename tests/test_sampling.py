@@ -132,6 +132,22 @@ def test_per_request_parameters_equal_separate_calls():
         torch.testing.assert_close(together[b : b + 1], alone)
 
 
+@pytest.mark.parametrize("V", [50, 4096])
+@pytest.mark.parametrize("params", [SP(temperature=0.0), SP(0.8, top_k=7), SP(0.8, top_p=0.9), SP(1.0, top_p=0.5),
+                                    SP(1.3, min_p=0.1), SP(0.7, top_k=20, top_p=0.8, min_p=0.05), SP(1.0)])
+def test_scalar_parameters_draw_what_the_same_parameters_as_tensors_draw(params, V):
+    """Scalars let processing pick its path on the host; tensors make it read them: same draws."""
+    B = 6
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(V)) * 3
+    as_tensors = SP(*(torch.full((B,), getattr(params, f)) for f in ("temperature", "top_k", "top_p", "min_p")))
+    rng = lambda: ss.Philox(torch.arange(B))  # noqa: E731
+    for a, b in zip(ss.sample_from_logits(logits, params, rng(), num_logprobs=3),
+                    ss.sample_from_logits(logits, as_tensors, rng(), num_logprobs=3)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(ss.logits_to_probs(logits, params), ss.logits_to_probs(logits, as_tensors),
+                               rtol=0, atol=0)
+
+
 def test_low_precision_logits_are_processed_in_float32():
     logits = torch.randn(3, 40)
     for dtype in (torch.bfloat16, torch.float16):

@@ -72,18 +72,31 @@ class SamplingParams:
             else:
                 v = torch.full((batch,), v, dtype=dtype, device=device)
             out[name] = v.repeat_interleave(per_request) if per_request != 1 else v.contiguous()
-        return RowParams(**out)
+        scalars = not any(isinstance(getattr(self, name), Tensor) for name in _FIELDS)
+        return RowParams(**out, shared=self if scalars else None)
 
 
 @dataclass(frozen=True)
 class RowParams:
-    """Parameters per row ``[R]``: temperature float32, top_k int64, top_p float32, min_p float32."""
+    """Parameters per row ``[R]``: temperature float32, top_k int64, top_p float32, min_p float32.
+
+    shared: the parameters of every row as host numbers, when they were given as scalars (so
+    that processing picks its path without reading the tensors); None when rows may differ.
+    """
 
     temperature: Tensor
     top_k: Tensor
     top_p: Tensor
     min_p: Tensor
+    shared: SamplingParams | None = None
 
     def take(self, rows: Tensor) -> RowParams:
         """The parameters of a subset of rows (int64 indices)."""
-        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows])
+        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], self.shared)
+
+    def all_equal(self, name: str, value: float) -> bool:
+        """Whether every row's parameter ``name`` is ``value`` (from ``shared`` when known, else
+        read from the tensor: a device sync)."""
+        if self.shared is not None:
+            return getattr(self.shared, name) == value
+        return bool((getattr(self, name) == value).all())

@@ -287,6 +287,15 @@ def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) 
         tokens' support found by top-k (for top-N log-probabilities).
     """
     R, V = x.shape
+    s = rp.shared
+    if R and s is not None:  # every row alike, its kind known on the host (the rules below)
+        greedy = logits and s.temperature == 0
+        if greedy or 0 < s.top_k < V:
+            greedy_rows = torch.full((R,), greedy, dtype=torch.bool, device=x.device)
+            return Processed((_bounded_part(None, x, rp, greedy_rows, logits, min_candidates),), R, V)
+        if s.top_p < 1:
+            return Processed(tuple(_nucleus_parts(None, x, rp, logits)), R, V)
+        return Processed((_plain_part(None, x, rp, logits),), R, V)
     greedy = rp.temperature == 0 if logits else torch.zeros(R, dtype=torch.bool, device=x.device)
     topk_on = (rp.top_k > 0) & (rp.top_k < V) & ~greedy
     bounded = greedy | topk_on  # at most k candidates
@@ -402,7 +411,7 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     w = SCRATCH.get("weights", (r, V), torch.float32, x.device)
     if logits:  # normalised weights, computed in the scratch buffer: each row's mass is 1
         scaled = x  # divided by the temperature where it is not 1, in a scratch buffer
-        if not bool((rp.temperature == 1).all()):
+        if not rp.all_equal("temperature", 1):
             scaled = SCRATCH.get("scaled", (r, V), torch.float32, x.device)
             torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled)
         torch.softmax(scaled, -1, out=w)
@@ -458,7 +467,7 @@ def _plain_part(rows, x, rp, logits) -> Part:
     """Rows with neither top-k nor top-p: dense, with min-p."""
     top = x.amax(-1, keepdim=True)
     w = _weights(x, top, rp.temperature, logits)
-    if bool((rp.min_p > 0).any()):
+    if not rp.all_equal("min_p", 0):
         w.mul_(w >= rp.min_p[:, None] * (1.0 if logits else top))
     return Part(rows, None, _normalise_(w))
 
@@ -617,7 +626,7 @@ def _nonzero_2d(mask: Tensor) -> tuple[Tensor, Tensor]:
 def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
     """min-p (threshold ``min_p * w_max``, with ``w_max`` ``[r, 1]`` taken at ``rows``) and
     renormalisation, in place."""
-    if bool((rp.min_p > 0).any()):
+    if not rp.all_equal("min_p", 0):
         w.mul_(w >= rp.min_p[:, None] * _take(w_max, rows))
     return _normalise_(w)
 

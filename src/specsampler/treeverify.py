@@ -182,12 +182,24 @@ def _finish(c: _Tree, path: Tensor, n: Tensor, y: Tensor, expected: Tensor | Non
     return TreeResult(path, tokens, n, last, None if expected is None else expected.float())
 
 
-def _first_child_with(c: _Tree, b: Tensor, v: Tensor, y: Tensor) -> Tensor:
-    """For requests ``b`` at nodes ``v``: the first child (sibling order) carrying token ``y``, or -1."""
-    t = c.tree
-    match = (t.parents[b] == v[:, None]) & c.usable[b] & (c.x[b] == y[:, None])
-    rank = torch.where(match, t.sibling_rank[b], c.N)
-    return torch.where(match.any(1), rank.argmin(1), -1)
+class _ChildIndex:
+    """Finds, for requests at nodes, the first child (sibling order) carrying a token.
+
+    Every usable node's key ``parent * V + token`` is listed per request in sibling-rank order,
+    so that a step's lookup is one comparison of the request's keys with ``v * V + y`` and a
+    first-match reduction."""
+
+    def __init__(self, c: _Tree):
+        t = c.tree
+        key = torch.where(c.usable, t.parents * c.V + c.x, -1)
+        self.order = t.sibling_rank.argsort(dim=1, stable=True)  # siblings: lower rank first
+        self.keys = key.gather(1, self.order)
+        self.V = c.V
+
+    def find(self, b: Tensor, v: Tensor, y: Tensor) -> Tensor:
+        """For requests ``b`` at nodes ``v``: the first child carrying token ``y``, or -1."""
+        hit, first = (self.keys[b] == (v * self.V + y)[:, None]).max(1)
+        return torch.where(hit, self.order[b, first], -1)
 
 
 def _walk_start(c: _Tree) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -204,16 +216,15 @@ def _walk_draws(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Te
     """greedy / target_only: draw at the current node, move to the child carrying the draw."""
     B, D, dev = c.B, c.tree.max_depth, c.x.device
     u = None if c.method == "greedy" else uniform(rng, op, B, c.N, STREAM_SAMPLE, dev)
+    children = _ChildIndex(c)
     path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
         v = path[walking, d]
         y = rows.argmax(walking, v) if u is None else rows.at(walking, v).sample(u[walking, v])
-        kid = _first_child_with(c, walking, v, y)
-        moved = kid >= 0
-        path[walking[moved], d + 1] = kid[moved]
-        stop = walking[~moved]
-        n[stop], y_out[stop] = d, y[~moved]
-        walking = walking[moved]
+        kid = children.find(walking, v, y)
+        # the step's outcome for everyone walking; those who move overwrite n and y next step
+        path[walking, d + 1], n[walking], y_out[walking] = kid, d, y
+        walking = walking[kid >= 0]
         if walking.numel() == 0:
             break
     return path[:, : D + 1], n, y_out
