@@ -91,8 +91,11 @@ class RowParams:
     shared: SamplingParams | None = None
 
     def take(self, rows: Tensor) -> RowParams:
-        """The parameters of a subset of rows (int64 indices)."""
-        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], self.shared)
+        """The parameters of a subset of rows (int64 indices); views of one row's when ``shared``."""
+        fields = (self.temperature, self.top_k, self.top_p, self.min_p)
+        if self.shared is not None and self.temperature.numel():
+            return RowParams(*(f[:1].expand(rows.numel()) for f in fields), self.shared)
+        return RowParams(*(f[rows] for f in fields), self.shared)
 
     def all_equal(self, name: str, value: float) -> bool:
         """Whether every row's parameter ``name`` is ``value`` (from ``shared`` when known, else
