@@ -408,6 +408,7 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     r, V = x.shape
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
+    top, best = _max(x, chunk_max)
     w = SCRATCH.get("weights", (r, V), torch.float32, x.device)
     if logits:  # normalised weights, computed in the scratch buffer: each row's mass is 1
         scaled = x  # divided by the temperature where it is not 1, in a scratch buffer
@@ -416,7 +417,7 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
             torch.mul(x, 1.0 / rp.temperature[:, None], out=scaled)
         torch.softmax(scaled, -1, out=w)
         z = torch.ones(r, device=x.device)
-        finite = torch.isfinite((x if chunk_max is None else chunk_max).amax(-1))
+        finite = torch.isfinite(top)
         if not bool(finite.all()):
             w.nan_to_num_(nan=0.0)  # rows without a finite logit have no mass
             z = finite.float()
@@ -425,12 +426,12 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
         z = w.sum(-1)
     target = rp.top_p * z
     parts = []
-    best = _argmax(x, chunk_max)
     w_max = w.gather(1, best[:, None])
     done = w_max[:, 0] >= target  # a token that alone reaches top-p is the nucleus
-    if bool(done.any()):
-        sub = _rows_where(done)
-        mass = (_take(z, sub) > 0).float()[:, None]  # 1, or 0 for a row without mass (no finite logit)
+    n_done = int(done.sum())
+    if n_done:
+        sub = None if n_done == r else done.nonzero()[:, 0]
+        mass = _take(z, sub).sign()[:, None]  # 1, or 0 for a row without mass (no finite logit)
         parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], mass))
         if sub is None:
             return parts
@@ -454,13 +455,13 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     return parts
 
 
-def _argmax(x: Tensor, chunk_max: Tensor | None) -> Tensor:
-    """Each row's argmax (the lowest id among ties), from its chunk maxima when given."""
+def _max(x: Tensor, chunk_max: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each row's largest value and its lowest id, from the chunk maxima when given."""
     if chunk_max is None:
-        return x.argmax(-1)
+        return x.amax(-1), x.argmax(-1)
     r, n = chunk_max.shape
-    c = chunk_max.argmax(-1)
-    return c * (x.shape[1] // n) + x.view(r, n, -1)[torch.arange(r, device=x.device), c].argmax(-1)
+    top, c = chunk_max.max(-1)  # the first chunk holding the maximum
+    return top, c * (x.shape[1] // n) + x.view(r, n, -1)[torch.arange(r, device=x.device), c].argmax(-1)
 
 
 def _plain_part(rows, x, rp, logits) -> Part:

@@ -114,28 +114,28 @@ class _Rows:
         self.probs, self.logits, self.rp, self.mask = probs, logits, rp, mask
 
     @staticmethod
-    def _rows(t: Tensor, b: Tensor, node: Tensor) -> Tensor:
-        """``t[b, node]`` for ``[B, N, V]``, whole rows copied."""
-        B, N, V = t.shape
-        return t.reshape(B * N, V).index_select(0, b * N + node)
+    def _rows(t: Tensor, flat: Tensor) -> Tensor:
+        """Rows ``flat`` (= b * N + node) of ``[B, N, V]``, whole rows copied."""
+        return t.reshape(-1, t.shape[-1]).index_select(0, flat)
 
-    def _logits(self, b: Tensor, node: Tensor) -> Tensor:
-        """The logit rows, gathered into a scratch buffer (processing never keeps its input)."""
-        B, N, V = self.logits.shape
-        out = SCRATCH.get("visited logits", (b.numel(), V), self.logits.dtype, self.logits.device)
-        x = torch.index_select(self.logits.reshape(B * N, V), 0, b * N + node, out=out).float()
+    def _logits(self, b: Tensor, node: Tensor, flat: Tensor) -> Tensor:
+        """The logit rows (``flat`` = b * N + node), gathered into a scratch buffer (processing never
+        keeps its input), float32."""
+        V = self.logits.shape[-1]
+        out = SCRATCH.get("visited logits", (flat.numel(), V), self.logits.dtype, self.logits.device)
+        x = torch.index_select(self.logits.reshape(-1, V), 0, flat, out=out).float()
         return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
 
     def at(self, b: Tensor, node: Tensor) -> Processed:
         """Processed distributions of rows ``(b[i], node[i])``."""
+        flat = b * (self.logits if self.probs is None else self.probs).shape[1] + node
         if self.probs is not None:
-            return Processed.from_dense(self._rows(self.probs, b, node).float())
-        N = self.logits.shape[1]
-        return process(self._logits(b, node), self.rp.take(b * N + node), logits=True)
+            return Processed.from_dense(self._rows(self.probs, flat).float())
+        return process(self._logits(b, node, flat), self.rp.take(flat), logits=True)
 
     def argmax(self, b: Tensor, node: Tensor) -> Tensor:
-        rows = self._rows(self.probs, b, node) if self.probs is not None else self._logits(b, node)
-        return rows.argmax(-1)
+        flat = b * (self.logits if self.probs is None else self.probs).shape[1] + node
+        return (self._rows(self.probs, flat) if self.probs is not None else self._logits(b, node, flat)).argmax(-1)
 
 
 def _check_tree(op, target, target_name, draft_tokens, tree, draft_probs, method, draft_sampling, full, logits):
