@@ -485,13 +485,6 @@ def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
     return torch.bitwise_right_shift(bits, shift, out=SCRATCH.get(scratch, bits.shape, torch.int32, w.device))
 
 
-def _compare(op, a: Tensor, b: Tensor, scratch: str) -> Tensor:
-    """``op(a, b)`` (a comparison) as a bool tensor, computed into the named uint8 scratch buffer:
-    comparisons that write bool directly run several times slower on the CPU."""
-    out = SCRATCH.get(scratch, torch.broadcast_shapes(a.shape, b.shape), torch.uint8, a.device)
-    return op(a, b, out=out).view(torch.bool)
-
-
 def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
     """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
     return torch.zeros(keys.shape[0], num_keys, device=keys.device).scatter_add_(1, keys.long(), values)
@@ -569,7 +562,8 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     if bool(compact.any()):
         # weights are >= 0, so their bit patterns compare as they do (and faster)
         bound = torch.where(compact, lb, float("inf"))[:, None].view(torch.int32)
-        b, cols = _nonzero_2d(_compare(torch.ge, w.view(torch.int32), bound, "above"))
+        above = SCRATCH.get("above", (r, V), torch.bool, w.device)
+        b, cols = _nonzero_2d(torch.ge(w.view(torch.int32), bound, out=above))
         _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, b * V + cols))  # candidates in id order
         compact &= cand.sum(-1) >= target  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
@@ -666,7 +660,7 @@ def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
     crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
     w.mul_(torch.ge(digit, crossing, out=keep))  # drop the buckets below (a float mask: no masked_fill_, no cast)
-    b, col = _nonzero_2d(_compare(torch.eq, digit, crossing, "crossing"))
+    b, col = _nonzero_2d(digit == crossing)
     for shift in _RADIX_SHIFTS[1:]:
         if b.numel() <= r * _RADIX_SORT:
             break
