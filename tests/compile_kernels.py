@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -47,15 +50,28 @@ class CompileOnlyDriver:
         return 0
 
 
-COMPILED: list[tuple[str, float]] = []
+COMPILED: list[tuple[str, float, dict]] = []  # (kernel, seconds, resources)
 _launch = JITFunction.run
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(cubin: bytes) -> dict:
+    """Per-thread registers (REG), local memory in bytes (LOCAL: register spills) and shared memory
+    of a cubin's kernel, as ``cuobjdump --dump-resource-usage`` reports them ({} without cuobjdump)."""
+    if not os.path.exists(_CUOBJDUMP):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|LOCAL|SHARED):(\d+)", out)}
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
     """``JITFunction.run`` that compiles (for the active target) and never launches."""
     start = time.perf_counter()
     kernel = _launch(self, *args, grid=grid, warmup=True, **kwargs)
-    COMPILED.append((self.__name__, time.perf_counter() - start))
+    COMPILED.append((self.__name__, time.perf_counter() - start, resources(kernel.asm["cubin"])))
     return kernel
 
 
@@ -150,10 +166,13 @@ def main() -> None:
             for V, dtype in [SIZES[s] for s in args.size or SIZES]:
                 before = len(COMPILED)
                 family(V, dtype)
-                seconds = sum(t for _, t in COMPILED[before:])
-                names = sorted({name for name, _ in COMPILED[before:]})
-                print(f"sm_{arch} {family.__name__:10s} V={V:<6d} {str(dtype)[6:]:8s} {len(COMPILED) - before:3d} "
-                      f"launches {seconds:6.1f} s  {', '.join(names)}", flush=True)
+                done = COMPILED[before:]
+                usage = "; ".join(
+                    f"{name} REG<={max(r.get('REG', 0) for n, _, r in done if n == name)} "
+                    f"LOCAL<={max(r.get('LOCAL', 0) for n, _, r in done if n == name)}"
+                    for name in sorted({n for n, _, _ in done}))
+                print(f"sm_{arch} {family.__name__:10s} V={V:<6d} {str(dtype)[6:]:8s} {len(done):3d} launches "
+                      f"{sum(t for _, t, _ in done):6.1f} s  {usage}", flush=True)
     print(f"compiled {len(COMPILED)} launches with triton {triton.__version__} in {time.perf_counter() - start:.0f} s")
 
 

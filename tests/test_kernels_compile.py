@@ -4,6 +4,7 @@ verification launcher of MLC (one variant) to keep the tool working; run the scr
 a GPU session (README)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ def test_mlc_kernel_compiles_for_sm90(tmp_path):
     done = _compile(tmp_path, "--family", "mlc", "--size", "small")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "compiled 1 launches" in done.stdout, done.stdout
+    assert re.search(r"_spec_verify_kernel REG<=\d+ LOCAL<=0", done.stdout), done.stdout  # cuobjdump read it
     cubins = list((tmp_path / "triton-cache").rglob("_spec_verify_kernel.cubin"))
     assert len(cubins) == 1 and cubins[0].stat().st_size > 0
 
