@@ -325,19 +325,22 @@ def test_sparse_mask_positions_equal_nonzero(shape, density):  # large sparse ma
 
 
 def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
-    from specsampler.processing import cut_to_mass_
+    from specsampler.processing import cut_to_mass
 
     # equal weights within one bin: the cut must keep the lowest positions
     w = torch.tensor([[1.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.25]])
-    kept = cut_to_mass_(w.clone(), torch.tensor([1.925]))  # 1, 0.5, then 0.25 x2
+    kept = cut_to_mass(w, torch.tensor([1.925]))  # 1, 0.5, then 0.25 x2
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 1, 2, 5]
-    kept = cut_to_mass_(w.clone(), torch.tensor([2.75]))
+    assert w.gt(0).all()  # a new result: w only read
+    inplace = w.clone()
+    assert cut_to_mass(inplace, torch.tensor([1.925]), out=inplace) is inplace and torch.equal(inplace, kept)
+    kept = cut_to_mass(w, torch.tensor([2.75]))
     assert torch.equal(kept, w)
-    kept = cut_to_mass_(w.clone(), torch.tensor([3.0]))  # never reached: everything kept
+    kept = cut_to_mass(w, torch.tensor([3.0]))  # never reached: everything kept
     assert torch.equal(kept, w)
     # weights of one bin that differ in their low bits are ordered by weight first
     w = torch.tensor([[0.30000001, 0.3, 0.30000004, 0.1]])
-    kept = cut_to_mass_(w.clone(), torch.tensor([0.4]))  # 0.30000004 then 0.30000001
+    kept = cut_to_mass(w, torch.tensor([0.4]))  # 0.30000004 then 0.30000001
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
 
 
@@ -499,8 +502,9 @@ def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
     # falls back to cutting its whole vocabulary
     import specsampler.processing as processing
 
-    widths, real_cut = [], processing.cut_to_mass_
-    monkeypatch.setattr(processing, "cut_to_mass_", lambda w, t: widths.append(w.shape[1]) or real_cut(w, t))
+    widths, real_cut = [], processing.cut_to_mass
+    monkeypatch.setattr(processing, "cut_to_mass",
+                        lambda w, t, out=None: widths.append(w.shape[1]) or real_cut(w, t, out))
     logits = torch.randn(16, V, generator=torch.Generator().manual_seed(V)) * scale
     probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))
     nucleus = int((probs > 0).sum(-1).max())

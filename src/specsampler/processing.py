@@ -570,12 +570,12 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     if bool(compact.any()):
         sub = _rows_where(compact)
         ids, cand = _take(ids, sub), _take(cand, sub)
-        cut_to_mass_(cand, _take(target, sub))
+        cut_to_mass(cand, _take(target, sub), out=cand)
         parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
     if bool(dense.any()):
         sub = _rows_where(dense)
-        rows_w = w.clone() if sub is None else w[sub]
-        cut_to_mass_(rows_w, _take(target, sub))
+        rows_w = w if sub is None else w[sub]  # the scratch weights are only read; a selection is a copy
+        rows_w = cut_to_mass(rows_w, _take(target, sub), out=None if sub is None else rows_w)
         parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub)))
     return parts
 
@@ -642,16 +642,17 @@ def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
     return crossing
 
 
-def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
-    """Zero, in place, each row's weights outside the smallest prefix of the (weight desc,
-    position asc) order whose mass reaches ``target`` (all of them if none does).
+def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
+    """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
+    position asc) order whose mass reaches ``target`` (all of them kept if none does).
 
     A radix select on the weights' float32 bit patterns (monotone in the weight), 11 bits at
     a time: a histogram of mass by digit finds the bucket where the prefix mass crosses the
     target; tokens above it are kept, below dropped, and the next digit splits the crossing
     bucket. The few tokens left in the last crossing bucket are ordered by a sort.
 
-    w: float32 ``[r, C]``, >= 0 (modified). target: float32 ``[r]``, absolute mass.
+    w: float32 ``[r, C]``, >= 0. target: float32 ``[r]``, absolute mass. out: where to write
+    the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
     """
     r, C = w.shape
     above = torch.zeros(r, device=w.device)  # mass of the tokens known to be kept
@@ -659,7 +660,8 @@ def cut_to_mass_(w: Tensor, target: Tensor) -> Tensor:
     digit = _keys(w, _RADIX_SHIFTS[0], "digits")
     crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
-    w.mul_(torch.ge(digit, crossing, out=keep))  # drop the buckets below (a float mask: no masked_fill_, no cast)
+    # drop the buckets below (a float mask: no masked_fill_, no cast); from here on w is the result
+    w = torch.mul(w, torch.ge(digit, crossing, out=keep), out=out)
     b, col = _nonzero_2d(digit == crossing)
     for shift in _RADIX_SHIFTS[1:]:
         if b.numel() <= r * _RADIX_SORT:
