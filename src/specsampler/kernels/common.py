@@ -50,18 +50,13 @@ def argmax(row, V, BLOCK_V: tl.constexpr):
     return arg
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def describe(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
              iscratch_row, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
              NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
              SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """:func:`describe_row` of the row whose parameters are at index ``r``, in fixed types (a
-    descriptor is carried through loops).
-
-    Compiled as a function of its own (``noinline``), not into each call site: the tree kernels
-    describe rows at several places, and the inlined copies made the traversal kernel compile 2.4x
-    slower (77 s against 32 s for sm_90 on a 2-core CPU) with 223 registers per thread instead of 128.
-    """
+    descriptor is carried through loops)."""
     m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
         logits_row, mask_row, V, tl.load(temperature_ptr + r), tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
         tl.load(min_p_ptr + r), fscratch_row, iscratch_row,
