@@ -126,15 +126,19 @@ class _Rows:
         x = torch.index_select(self.logits.reshape(-1, V), 0, flat, out=out).float()
         return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
 
+    def _flat(self, b: Tensor, node: Tensor) -> Tensor:
+        """Row indices ``b * N + node`` into the rows ``[B * N, V]``."""
+        return b * (self.logits if self.probs is None else self.probs).shape[1] + node
+
     def at(self, b: Tensor, node: Tensor) -> Processed:
         """Processed distributions of rows ``(b[i], node[i])``."""
-        flat = b * (self.logits if self.probs is None else self.probs).shape[1] + node
+        flat = self._flat(b, node)
         if self.probs is not None:
             return Processed.from_dense(self._rows(self.probs, flat).float())
         return process(self._logits(b, node, flat), self.rp.take(flat), logits=True)
 
     def argmax(self, b: Tensor, node: Tensor) -> Tensor:
-        flat = b * (self.logits if self.probs is None else self.probs).shape[1] + node
+        flat = self._flat(b, node)
         return (self._rows(self.probs, flat) if self.probs is not None else self._logits(b, node, flat)).argmax(-1)
 
 
