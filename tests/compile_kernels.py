@@ -95,7 +95,7 @@ def _randomness(B, n, philox):
 
 def _tree_links(B, N):
     """A chain-shaped tree of ``N`` nodes per request: (tokens, first_child, next_sibling, max_depth)."""
-    first_child = torch.arange(1, N + 1).clamp(max=N).masked_fill(torch.arange(N) == N - 1, -1).expand(B, N)
+    first_child = torch.arange(1, N + 1).masked_fill(torch.arange(N) == N - 1, -1).expand(B, N)
     return torch.zeros(B, N, dtype=torch.int64), first_child.contiguous(), torch.full((B, N), -1), N - 1
 
 

@@ -287,34 +287,43 @@ def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) 
         tokens' support found by top-k (for top-N log-probabilities).
     """
     R, V = x.shape
-    s = rp.shared
-    if R and s is not None:  # every row alike, its kind known on the host (the rules below)
-        greedy = logits and s.temperature == 0
-        if greedy or 0 < s.top_k < V:
-            greedy_rows = torch.full((R,), greedy, dtype=torch.bool, device=x.device)
-            return Processed((_bounded_part(None, x, rp, greedy_rows, logits, min_candidates),), R, V)
-        if s.top_p < 1:
-            return Processed(tuple(_nucleus_parts(None, x, rp, logits)), R, V)
-        return Processed((_plain_part(None, x, rp, logits),), R, V)
-    greedy = rp.temperature == 0 if logits else torch.zeros(R, dtype=torch.bool, device=x.device)
-    topk_on = (rp.top_k > 0) & (rp.top_k < V) & ~greedy
-    bounded = greedy | topk_on  # at most k candidates
-    nucleus = (rp.top_p < 1) & ~bounded  # top-p alone: the nucleus size is found per row
-    if R and bool(nucleus.all()):  # the common case of a batch with one kind of parameters
-        return Processed(tuple(_nucleus_parts(None, x, rp, logits)), R, V)
-    plain = ~(bounded | nucleus)  # temperature and min-p only: dense
+    on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
+    greedy, bounded, nucleus, plain = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, V, logits)
+    if isinstance(nucleus, Tensor) and R and bool(nucleus.all()):  # the common case: rows of one kind
+        greedy, bounded, nucleus, plain = False, False, True, False
     parts = []
-    if R == 0 or bool(plain.any()):
-        rows = _rows_where(plain)
+    some, rows = _rows_of(plain, R)
+    if some or R == 0:
         parts.append(_plain_part(rows, _take(x, rows), _take_params(rp, rows), logits))
-    if bool(bounded.any()):
-        rows = _rows_where(bounded)
+    some, rows = _rows_of(bounded, R)
+    if some:
+        if not isinstance(greedy, Tensor):
+            greedy = torch.full((R,), greedy, dtype=torch.bool, device=x.device)
         parts.append(_bounded_part(rows, _take(x, rows), _take_params(rp, rows), _take(greedy, rows), logits,
                                    min_candidates))
-    if bool(nucleus.any()):
-        rows = _rows_where(nucleus)
+    some, rows = _rows_of(nucleus, R)
+    if some:
         parts += _nucleus_parts(rows, _take(x, rows), _take_params(rp, rows), logits)
     return Processed(tuple(parts), R, V)
+
+
+def _kinds(temperature, top_k, top_p, V: int, logits: bool) -> tuple:
+    """How each row is processed: ``(greedy, bounded, nucleus, plain)``. greedy: temperature 0 (from
+    logits); bounded: greedy or top-k on (at most k candidates); nucleus: top-p alone (its size found
+    per row); plain: temperature and min-p only (dense). On parameter tensors ``[R]`` (bool tensors)
+    or on the host numbers that every row shares (bools) alike."""
+    greedy = (temperature == 0) & logits
+    bounded = greedy | ((top_k > 0) & (top_k < V))
+    nucleus = (top_p < 1) & (bounded ^ True)  # ^ True: "not", for tensors and bools alike
+    return greedy, bounded, nucleus, (bounded | nucleus) ^ True
+
+
+def _rows_of(kind, R: int) -> tuple[bool, Tensor | None]:
+    """Whether any of the ``R`` rows is of a kind (bool ``[R]``, or one bool for every row), and
+    which (None: all of them)."""
+    if isinstance(kind, bool):
+        return kind and R > 0, None
+    return (True, _rows_where(kind)) if bool(kind.any()) else (False, None)
 
 
 def _rows_where(mask: Tensor) -> Tensor | None:
