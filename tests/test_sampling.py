@@ -344,6 +344,59 @@ def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
 
 
+def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor) -> None:
+    """``kept`` keeps, unchanged, a prefix of each row's (weight desc, position asc) order; its
+    length is the naive float64 one wherever the target is not within rounding of a prefix sum."""
+    assert torch.equal(torch.where(kept > 0, w, 0.0), kept)
+    for row, t, k in zip(w.double(), target.double(), kept):
+        order = sorted(range(len(row)), key=lambda i: (-row[i].item(), i))
+        flags = [bool(k[i] > 0) for i in order]
+        m = sum(flags)
+        assert flags == [True] * m + [False] * (len(flags) - m), "not a prefix of the order"
+        cum = row[order].cumsum(0)
+        naive = int((cum < t).sum()) + 1 if bool((cum >= t).any()) else len(row)
+        naive = min(naive, int((row > 0).sum()) or naive)  # zero weights never needed
+        tol = 1e-5 * float(cum[-1]) + 1e-30
+        if bool(((cum - t).abs() > tol).all()):  # no prefix sum within rounding of the target
+            assert m == naive or (m > naive and bool((row[order][naive:m] == 0).all()))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.one_of(st.just(0.0), st.integers(-60, 0).map(lambda e: 2.0 ** e),
+                           st.floats(1e-3, 1.0), st.sampled_from([0.25, 0.5, 0.3])), min_size=1, max_size=200),
+        min_size=1, max_size=4),
+    fractions=st.lists(st.floats(0.01, 1.2), min_size=4, max_size=4),
+)
+def test_radix_cut_keeps_the_smallest_prefix_reaching_the_target(rows, fractions):
+    from specsampler.processing import cut_to_mass
+
+    C = max(len(r) for r in rows)
+    w = torch.tensor([r + [0.0] * (C - len(r)) for r in rows], dtype=torch.float32)
+    target = w.sum(-1) * torch.tensor(fractions[: len(rows)], dtype=torch.float32)
+    _assert_cut(w, target, cut_to_mass(w, target))
+
+
+@pytest.mark.parametrize("case", ["one bin", "far below the largest"])
+def test_radix_cut_splits_a_crowded_crossing_bin(case):
+    # thousands of tokens pending after the first digit: split by the later digits, also when
+    # they lie in the lowest bin (more than 32 octaves below the largest weight, sharing no bits)
+    from specsampler.processing import cut_to_mass
+
+    g = torch.Generator().manual_seed(0)
+    if case == "one bin":  # 5000 weights in [1, 1.01): one bin of the first digit
+        w = 1 + torch.rand(3, 5000, generator=g) / 100
+        target = w.sum(-1) * torch.tensor([0.3, 0.5, 0.999])
+    else:  # 1.0, then tokens 33 to 35 octaves below whose mass the target needs
+        w = torch.exp2(-33 - 2 * torch.rand(3, 5000, generator=g))
+        w[:, 17] = 1.0
+        target = torch.full((3,), 1.0 + 2.0 ** -23)
+    kept = cut_to_mass(w, target)
+    _assert_cut(w, target, kept)
+    assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

@@ -37,8 +37,8 @@ from .params import RowParams
 SMALL_NUCLEUS = 64  # nuclei first searched among the 64 most likely tokens
 _ORDER_WHOLE = 1024  # top-p rows this short are ordered whole: cheaper than estimating a nucleus bound
 _BLOCK = 512  # rows per block in the search for large nuclei
-_RADIX_SHIFTS = (20, 9, 0)  # the radix select's digits: bits 30..20, 19..9, 8..0 of the weights
-_RADIX_KEYS = 1 << 11
+_RADIX_SHIFT = 17  # the radix select's first digit: 64 bins per octave of weight,
+_RADIX_KEYS = 1 << 11  # 2048 of them; then 11 bits at a time
 _RADIX_SORT = 64  # pending tokens per row (on average) few enough to sort
 _SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from
 _EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight,
@@ -499,11 +499,6 @@ def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
     return torch.zeros(keys.shape[0], num_keys, device=keys.device).scatter_add_(1, keys.long(), values)
 
 
-def _suffix(hist: Tensor) -> Tensor:
-    """``[..., n]`` -> sums over the bins >= k, for each k."""
-    return hist.sum(-1, keepdim=True) - hist.cumsum(-1) + hist
-
-
 def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
                    chunk_max: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Estimates for each row: a weight ``lb`` the nucleus very likely lies above, whether the
@@ -643,46 +638,54 @@ def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | No
 
 def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
     """The bucket where each row's prefix mass crosses the target (-1 if never), from a
-    histogram ``[r, k]`` of the pending tokens' mass by digit; adds to ``above`` (in place)
-    the mass of the buckets above it."""
-    suffix = torch.nn.functional.pad(_suffix(mass), (0, 1))  # + an empty bucket above the top
-    crossing = (above[:, None] + suffix >= target[:, None]).sum(-1) - 1
-    above += suffix.gather(1, (crossing + 1)[:, None])[:, 0]
-    return crossing
+    histogram ``[r, k]`` of the pending tokens' mass by digit (the highest digit the
+    heaviest); adds to ``above`` (in place) the mass of the buckets above it."""
+    k = mass.shape[1]
+    from_top = mass.flip(-1).cumsum(-1)  # the mass of the j + 1 heaviest buckets
+    j = torch.searchsorted(from_top, (target - above)[:, None], side="left")  # the first reaching it
+    above += torch.where(j > 0, from_top.gather(1, (j - 1).clamp_(min=0)), 0.0)[:, 0]
+    return (k - 1) - j[:, 0]
 
 
 def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
     position asc) order whose mass reaches ``target`` (all of them kept if none does).
 
-    A radix select on the weights' float32 bit patterns (monotone in the weight), 11 bits at
-    a time: a histogram of mass by digit finds the bucket where the prefix mass crosses the
-    target; tokens above it are kept, below dropped, and the next digit splits the crossing
-    bucket. The few tokens left in the last crossing bucket are ordered by a sort.
+    A radix select on the weights' float32 bit patterns (monotone in the weight). The first
+    digit, over the whole matrix, bins each row's weights by bits 30..17 (64 bins per
+    octave) relative to its largest: 2047 bins over the 32 octaves below it, the lowest
+    bin holding everything further below. A histogram of mass by digit finds the bucket
+    where the prefix mass crosses the target; tokens above it are kept, below dropped. The
+    crossing bucket's tokens, compacted, are split further by 11 bits at a time (the bits
+    they do not yet share) and the few left are ordered by a sort.
 
     w: float32 ``[r, C]``, >= 0. target: float32 ``[r]``, absolute mass. out: where to write
     the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
     """
     r, C = w.shape
     above = torch.zeros(r, device=w.device)  # mass of the tokens known to be kept
-    # first digit on the whole matrix; then only the crossing bucket's tokens, compacted
-    digit = _keys(w, _RADIX_SHIFTS[0], "digits")
+    base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
+    digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
     crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
+    # drop the buckets below (comparisons into float / int32 scratch: no masked_fill_, no bool
+    # temporaries, which are slower); from here on w is the result
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
-    # drop the buckets below (a float mask: no masked_fill_, no cast); from here on w is the result
     w = torch.mul(w, torch.ge(digit, crossing, out=keep), out=out)
-    b, col = _nonzero_2d(digit == crossing)
-    for shift in _RADIX_SHIFTS[1:]:
-        if b.numel() <= r * _RADIX_SORT:
-            break
+    b, col = torch.eq(digit, crossing, out=SCRATCH.get("pending", digit.shape, torch.int32, w.device)).nonzero(
+        as_tuple=True)
+    # the bits the pending tokens of each row share: those above bit 17, but none in the lowest bucket
+    shared = torch.where(crossing[:, 0] > 0, _RADIX_SHIFT, 31)
+    while b.numel() > r * _RADIX_SORT and bool(shared.any()):
         v = w[b, col]
-        digit = (v.view(torch.int32) >> shift) & (_RADIX_KEYS - 1)
+        shift = (shared - 11).clamp_(min=0)
+        digit = (v.view(torch.int32) >> shift[b]) & (_RADIX_KEYS - 1)
         mass = torch.zeros(r * _RADIX_KEYS, device=w.device).index_add_(0, b * _RADIX_KEYS + digit, v)
         crossing = _cross(mass.view(r, _RADIX_KEYS), above, target)
         below = digit < crossing[b]
         w[b[below], col[below]] = 0.0
         stay = digit == crossing[b]
         b, col = b[stay], col[stay]
+        shared = shift
     # the last pending tokens of each row, ordered (weight desc, position asc)
     v, order = w[b, col].sort(descending=True, stable=True)
     b, col = b[order], col[order]
