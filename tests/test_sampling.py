@@ -1,4 +1,5 @@
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -253,12 +254,21 @@ def test_large_nuclei_match_the_rule_exactly(V, spread, top_p, min_p, seed):
     top_p=st.sampled_from([0.3, 0.9, 0.999]),
     min_p=st.sampled_from([0.0, 0.001]),
     probs_in=st.booleans(),
+    counted=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_nuclei_of_wide_vocabularies_match_the_rule_exactly(V, kind, top_p, min_p, probs_in, seed):
-    # wide rows take the nucleus search (estimate, compaction, radix cut, dense fallback): the
-    # first rows vary the distribution's shape, then one token alone reaches top-p, a small nucleus,
-    # a flat row (the nucleus exceeds any compaction: cut densely) and a row without a finite logit
+def test_nuclei_of_wide_vocabularies_match_the_rule_exactly(V, kind, top_p, min_p, probs_in, counted, seed):
+    # wide rows take the nucleus search (counted whole, or as in rows longer than _COUNT_WHOLE
+    # estimated; compaction, radix cut, dense fallback): the first rows vary the distribution's
+    # shape, then one token alone reaches top-p, a small nucleus, a flat row (the nucleus
+    # exceeds any compaction: cut densely) and a row without a finite logit
+    import specsampler.processing as processing
+
+    with mock.patch.object(processing, "_COUNT_WHOLE", V if counted else 0):
+        _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed)
+
+
+def _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed):
     g = torch.Generator().manual_seed(seed)
     logits = {"ties": torch.randint(-3, 4, (3, V), generator=g).float() * 0.5,
               "normal": torch.randn(3, V, generator=g) * 2,
@@ -551,10 +561,11 @@ def test_small_nucleus_sampling_sorts_no_full_vocabulary(sort_sizes):
 
 @pytest.mark.parametrize("V, scale", [(32768, 3.0), (65536, 3.5), (131072, 3.0)])
 def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
-    # the estimated bound keeps the candidates few (a few times the nucleus) yet enough: no row
-    # falls back to cutting its whole vocabulary
+    # the estimated bound (rows longer than _COUNT_WHOLE; here all) keeps the candidates few (a
+    # few times the nucleus) yet enough: no row falls back to cutting its whole vocabulary
     import specsampler.processing as processing
 
+    monkeypatch.setattr(processing, "_COUNT_WHOLE", 0)
     widths, real_cut = [], processing.cut_to_mass
     monkeypatch.setattr(processing, "cut_to_mass",
                         lambda w, t, out=None: widths.append(w.shape[1]) or real_cut(w, t, out))
@@ -562,6 +573,23 @@ def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
     probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))
     nucleus = int((probs > 0).sum(-1).max())
     assert nucleus > 200 and widths and max(widths) <= min(4 * nucleus + 256, V // 8)
+
+
+@pytest.mark.parametrize("V", [4096, 32000, 65536])
+def test_counted_nuclei_are_compacted_when_small_and_cut_densely_when_large(monkeypatch, V):
+    # rows up to _COUNT_WHOLE long are counted whole: a nucleus of up to V/16 tokens is settled
+    # among the tokens down to its crossing bin (barely more than the nucleus), a larger one densely
+    import specsampler.processing as processing
+
+    assert V <= processing._COUNT_WHOLE
+    widths, real_settle = [], processing._settle
+    monkeypatch.setattr(processing, "_settle", lambda w, *a: widths.append(w.shape[1]) or real_settle(w, *a))
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(4, V, generator=g) * 0.5
+    logits[:2, torch.randperm(V, generator=g)[: V // 40]] += 8.0  # the first rows: a nucleus of ~V/44 tokens
+    nucleus = (ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9)) > 0).sum(-1)
+    assert nucleus[:2].min() > 10 and nucleus[:2].max() <= V // 16 < nucleus[2:].min()
+    assert widths == [widths[0], V] and widths[0] <= 1.05 * int(nucleus[:2].max()) + 16
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -11,12 +11,15 @@ vocabulary:
 
 - top-k: the k largest logits, found among the chunks of the row with the largest maxima
   (a pass computing chunk maxima, then a top-k over a few chunks);
-- top-p alone: a token that alone reaches p is the nucleus; otherwise the chunks with the
-  largest maxima (counted exactly) and a subsample of the other chunks estimate the nucleus
-  size and a weight ``lb`` it lies above with a wide margin. A small nucleus is then found
-  among the 64 most likely tokens as for top-k; a larger one is compacted above ``lb``
-  (the candidates' mass proves the nucleus is among them, else the row is cut densely)
-  and cut exactly by a radix select on the float bit patterns.
+- top-p alone: a token that alone reaches p is the nucleus. Rows of up to 65536 tokens are
+  otherwise counted whole: the first digit of a radix select on the float bit patterns (a
+  histogram of mass at 64 bins per octave) finds the bin where the nucleus ends, and the
+  rows are compacted down to it, or cut densely when that leaves many tokens. In longer
+  rows the chunks with the largest maxima (counted exactly) and a subsample of the other
+  chunks estimate the nucleus size and a weight ``lb`` it lies above with a wide margin. A
+  small nucleus is then found among the 64 most likely tokens as for top-k; a larger one
+  is compacted above ``lb`` (the candidates' mass proves the nucleus is among them, else
+  the row is cut densely) and cut exactly by the radix select.
 
 Categorical draws use one uniform per row: the token is the first id, in id order, whose
 cumulative probability exceeds ``u * total`` (see :mod:`specsampler.rng`).
@@ -40,7 +43,8 @@ _BLOCK = 512  # rows per block in the search for large nuclei
 _RADIX_SHIFT = 17  # the radix select's first digit: 64 bins per octave of weight,
 _RADIX_KEYS = 1 << 11  # 2048 of them; then 11 bits at a time
 _RADIX_SORT = 64  # pending tokens per row (on average) few enough to sort
-_SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from
+_SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from,
+_COUNT_WHOLE = 1 << 16  # in rows longer than this; shorter ones are counted whole
 _EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight,
 _EST_BINS = 256  # over the 32 octaves below the most likely token
 _TINY = torch.finfo(torch.float32).tiny
@@ -411,9 +415,10 @@ def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
 
 def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     """Top-p rows without top-k, at most :data:`_BLOCK` of them. In turn: a token that alone
-    reaches top-p is the nucleus; a nucleus the subsample estimates small is looked for among
-    the 64 most likely tokens; the others are compacted above an estimated bound (or cut
-    densely when too large)."""
+    reaches top-p is the nucleus; rows of up to :data:`_COUNT_WHOLE` tokens are then counted
+    whole (:func:`_counted_nuclei`); in longer ones, a nucleus the subsample estimates small
+    is looked for among the 64 most likely tokens, the others are compacted above an
+    estimated bound (or cut densely when too large)."""
     r, V = x.shape
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
@@ -444,6 +449,11 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
         parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], mass))
         if sub is None:
             return parts
+    if V <= _COUNT_WHOLE:  # short rows: counting them whole costs less than estimating
+        sub = _rows_where(~done)
+        parts += _counted_nuclei(_within(rows, sub), _take(w, sub), _take(target, sub), _take_params(rp, sub),
+                                 _take(w_max, sub))
+        return parts
     lb, likely, size = _nucleus_bound(w, w_max, target, z, chunk_max)
     small = (size <= SMALL_NUCLEUS // 2) & ~done
     if bool(small.any()):  # a small nucleus: among the most likely tokens, found as for top-k
@@ -550,6 +560,46 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
     return lb, mass.gather(1, j[:, None])[:, 0] >= target, size
 
 
+def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tensor) -> list[Part]:
+    """Top-p rows whose nucleus holds more than one token, counted whole: the radix cut's first
+    digit (a histogram of each row's mass by bin, :func:`_first_digit`) finds the bin where
+    the nucleus ends. A bin's tokens weigh within 1.1% of each other, so its mass over its
+    lowest weight bounds its token count: rows with few tokens down to the crossing bin (up
+    to a sixteenth of the row) are compacted (candidates in id order), the others cut densely.
+
+    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: ``[r]``;
+    w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
+    """
+    r, V = w.shape
+    digit, crossing, above, hist, base = _first_digit(w, target)
+    bins = torch.arange(_RADIX_KEYS, dtype=torch.int32, device=w.device)
+    lowest = ((base + bins) << _RADIX_SHIFT).clamp_(min=0).view(torch.float32)  # each bin's lowest weight
+    count = torch.where(hist > 0, hist / lowest, 0.0)  # bin 0 (no lower bound) is never counted:
+    n = count.flip(-1).cumsum(-1).gather(1, (_RADIX_KEYS - 1 - crossing.clamp(min=0)).long())[:, 0]  # bins >= it
+    few = (crossing[:, 0] >= 1) & (n <= V // 16)  # rows crossing in it are cut densely
+    parts = []
+    if bool(few.any()):
+        sub = _rows_where(few)
+        # the tokens of those rows down to the crossing bin, in id order (other rows: none)
+        c = torch.where(few[:, None], crossing, _RADIX_KEYS)
+        b, col = torch.ge(digit, c, out=SCRATCH.get("pending", digit.shape, torch.int32, w.device)).nonzero(
+            as_tuple=True)
+        flat = b * V + col
+        local = b if sub is None else (few.cumsum(0) - 1).index_select(0, b)
+        at, ids, cand = _by_row(local, r if sub is None else sub.numel(), col, w.view(-1).index_select(0, flat))
+        pending = digit.view(-1).index_select(0, flat) == crossing[:, 0].index_select(0, b)
+        pb = local[pending]
+        _settle(cand, pb, at[pending] - pb * cand.shape[1], *(_take(t, sub) for t in (crossing, above, target)))
+        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
+    if not bool(few.all()):
+        sub = _rows_where(~few)
+        rows_w = _take(w, sub)  # the scratch weights are only read; a selection is a copy
+        kept = _cut_from(rows_w, _take(digit, sub), _take(crossing, sub), _take(above, sub), _take(target, sub),
+                         out=None if sub is None else rows_w)
+        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(kept, _take_params(rp, sub), w_max, sub)))
+    return parts
+
+
 def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, rp: RowParams, w_max) -> list[Part]:
     """The rows with a finite ``lb``, whose nucleus holds more than the head.
 
@@ -651,29 +701,59 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
     position asc) order whose mass reaches ``target`` (all of them kept if none does).
 
-    A radix select on the weights' float32 bit patterns (monotone in the weight). The first
-    digit, over the whole matrix, bins each row's weights by bits 30..17 (64 bins per
-    octave) relative to its largest: 2047 bins over the 32 octaves below it, the lowest
-    bin holding everything further below. A histogram of mass by digit finds the bucket
-    where the prefix mass crosses the target; tokens above it are kept, below dropped. The
-    crossing bucket's tokens, compacted, are split further by 11 bits at a time (the bits
-    they do not yet share) and the few left are ordered by a sort.
+    A radix select on the weights' float32 bit patterns (monotone in the weight): the first
+    digit (:func:`_first_digit`) finds the bin where each row's prefix mass crosses the
+    target; tokens above it are kept, below dropped, and the crossing bin's tokens are
+    settled by :func:`_settle`.
 
     w: float32 ``[r, C]``, >= 0. target: float32 ``[r]``, absolute mass. out: where to write
     the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
     """
-    r, C = w.shape
-    above = torch.zeros(r, device=w.device)  # mass of the tokens known to be kept
+    digit, crossing, above, _, _ = _first_digit(w, target)
+    return _cut_from(w, digit, crossing, above, target, out)
+
+
+def _first_digit(w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The radix cut's first digit, over the whole matrix: each row's weights binned by bits
+    30..17 (64 bins per octave) relative to its largest, 2047 bins over the 32 octaves below
+    it and the lowest bin (0) holding everything further below; a histogram of mass by bin
+    gives the bin where the prefix mass crosses the target.
+
+    w: float32 ``[r, C]``, >= 0; target: ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
+    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it ``[r]``, the
+    histogram float32 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
+    """
     base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
     digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
-    crossing = _cross(_histogram(digit, w, _RADIX_KEYS), above, target).to(torch.int32)[:, None]
-    # drop the buckets below (comparisons into float / int32 scratch: no masked_fill_, no bool
+    hist = _histogram(digit, w, _RADIX_KEYS)
+    above = torch.zeros(w.shape[0], device=w.device)
+    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
+    return digit, crossing, above, hist, base
+
+
+def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target: Tensor,
+              out: Tensor | None) -> Tensor:
+    """:func:`cut_to_mass` after its first digit (:func:`_first_digit` of ``w``)."""
+    # drop the bins below (comparisons into float / int32 scratch: no masked_fill_, no bool
     # temporaries, which are slower); from here on w is the result
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
     w = torch.mul(w, torch.ge(digit, crossing, out=keep), out=out)
     b, col = torch.eq(digit, crossing, out=SCRATCH.get("pending", digit.shape, torch.int32, w.device)).nonzero(
         as_tuple=True)
-    # the bits the pending tokens of each row share: those above bit 17, but none in the lowest bucket
+    _settle(w, b, col, crossing, above, target)
+    return w
+
+
+def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, target: Tensor) -> None:
+    """Zeroes, in place, the tokens ``w[b, col]`` of each row's crossing bin of the first digit
+    that lie past the cut: they are split by 11 bits at a time (the bits they do not yet
+    share), and the few left are ordered by a sort.
+
+    w: float32 ``[r, C]``; b, col: int64 ``[n]``, row-major; crossing: int32 ``[r, 1]``;
+    above: ``[r]``, the mass of the tokens above the bin (updated); target: ``[r]``.
+    """
+    r = w.shape[0]
+    # the bits the pending tokens of each row share: those above bit 17, but none in bin 0
     shared = torch.where(crossing[:, 0] > 0, _RADIX_SHIFT, 31)
     while b.numel() > r * _RADIX_SORT and bool(shared.any()):
         v = w[b, col]
@@ -695,4 +775,3 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0)).view(-1)[at]
     drop = above[b] + before >= target[b]
     w[b[drop], col[drop]] = 0.0
-    return w
