@@ -179,6 +179,24 @@ def test_large_vocabulary_rows_use_bigger_chunks():
     _check(logits, params, "large V", None, 0, 2, 32)
 
 
+def test_wide_nuclei_of_every_size_draw_as_the_reference():
+    # rows wider than the reference's whole-row ordering: one token reaching top-p alone, a small
+    # nucleus, one compacted down to its crossing bin, and flat rows cut densely (also with min-p
+    # and a vocabulary mask): the reference's counted nuclei against the kernel's pivot search
+    g = torch.Generator().manual_seed(9)
+    V = 4099
+    logits = torch.randn(8, V, generator=g) * 0.5
+    logits[0, 17] += 30.0
+    logits[1, torch.randperm(V, generator=g)[:12]] += 9.0
+    logits[2:4, torch.randperm(V, generator=g)[: V // 40]] += 8.0
+    mask = torch.rand(8, V, generator=g) > 0.3
+    params = SP(temperature=torch.tensor([1.0, 0.9, 1.0, 0.7, 1.0, 1.3, 1.0, 0.8]),
+                top_p=torch.tensor([0.9, 0.9, 0.95, 0.8, 0.9, 0.5, 0.99, 0.9]),
+                min_p=torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.3]))
+    _check(logits, params, "wide nuclei", None, 3, 64, 256)
+    _check(logits, params, "wide nuclei, masked", mask, 4, 64, 256, streams="philox")
+
+
 def test_strided_rows_are_read_in_place():
     g = torch.Generator().manual_seed(6)
     wide = torch.randn(4, 150, generator=g)
