@@ -574,9 +574,9 @@ def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tenso
     digit, crossing, above, hist, base = _first_digit(w, target)
     bins = torch.arange(_RADIX_KEYS, dtype=torch.int32, device=w.device)
     lowest = ((base + bins) << _RADIX_SHIFT).clamp_(min=0).view(torch.float32)  # each bin's lowest weight
-    count = torch.where(hist > 0, hist / lowest, 0.0)  # bin 0 (no lower bound) is never counted:
+    count = torch.where(hist > 0, hist / lowest, 0.0)  # at least each bin's tokens
     n = count.flip(-1).cumsum(-1).gather(1, (_RADIX_KEYS - 1 - crossing.clamp(min=0)).long())[:, 0]  # bins >= it
-    few = (crossing[:, 0] >= 1) & (n <= V // 16)  # rows crossing in it are cut densely
+    few = (crossing[:, 0] >= 1) & (n <= V // 16)  # bin 0 has no lowest weight: rows crossing in it are cut densely
     parts = []
     if bool(few.any()):
         sub = _rows_where(few)
