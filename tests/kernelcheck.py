@@ -30,6 +30,33 @@ def assert_same_chain(kernel, ref, label: str) -> None:
     assert torch.equal(tokens, ref.tokens), f"{label}: tokens\n{tokens}\n!= reference\n{ref.tokens}"
 
 
+def traversal_slots_case(sampling: str, B: int = 16):
+    """Inputs of the traversal tests whose slots must keep their own scratch rows (the tree, target
+    rows p, draft rows q, tokens x on :data:`DEVICE`; V = 4). Root children Z (a leaf), A (two
+    leaves), B (one leaf); leaves carry tokens out of range. Z's deletion makes the root's Mb
+    [0, .25, .25, .5]; A (a = .5) has its Mb updated twice, the second time swapped in from the spare
+    row, and then it is accepted (Mb [0, 0, 1, 0]) or deleted, making the root's Mb [0, 0, 0, 1]; B
+    (a = 0) is pushed into A's slot and its Mb updated: that must not touch the root's, which draws
+    token 3. So the token is 2 when A is accepted (probability 0.2), else 3. Dyadic values."""
+    V = 4
+    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0, 2, 2, 3]] * B)).to(DEVICE)
+    quarter = [0.25] * 4
+    p = torch.tensor([[0.0, 0.375, 0.375, 0.25], quarter, quarter, quarter, quarter, quarter, quarter])
+    q = torch.tensor([quarter, [0.5, 0.25, 0.25, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0],
+                      [0.125, 0.125, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0], quarter])
+    if sampling == "without_replacement":  # siblings hold the first child's q; removals give the rows above
+        q = q[[0, 1, 1, 1, 4, 4, 6]]
+    p, q = p.expand(B, 7, V).contiguous().to(DEVICE), q.expand(B, 7, V).contiguous().to(DEVICE)
+    x = torch.tensor([[0, -1, 1, 0, V + 2, -1, V]], device=DEVICE).expand(B, 7).contiguous()
+    return tree, p, q, x
+
+
+def assert_traversal_slots_outcome(path: torch.Tensor, n: torch.Tensor, y: torch.Tensor) -> None:
+    """The outcome :func:`traversal_slots_case` implies: A accepted (token 2) or not (token 3), sometimes."""
+    assert torch.equal(y, torch.where(n == 1, 2, 3)) and (path[:, 1] == torch.where(n == 1, 2, -1)).all()
+    assert 0 < int(n.sum()) < n.numel() // 2  # A is accepted with probability 0.2
+
+
 @contextlib.contextmanager
 def recorded_loads(monkeypatch):
     """Inside, every address a masked load of the Triton interpreter reads is recorded in the list

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import specsampler as ss
-from kernelcheck import DEVICE
+from kernelcheck import DEVICE, assert_traversal_slots_outcome, traversal_slots_case
 from specsampler import TokenTree
 from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniform
 
@@ -260,27 +260,15 @@ def test_residual_without_mass_keeps_the_previous_distribution(method, sampling)
 
 @pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
 def test_traversal_slots_keep_their_own_scratch_rows(sampling):
-    """Root children Z (a leaf), A (two leaves), B (one leaf); leaves carry tokens out of range.
-    Z's deletion makes the root's Mb [0, .25, .25, .5]; A (a = .5) has its Mb updated twice,
-    the second time swapped in from the spare row, and then it is accepted (Mb [0, 0, 1, 0])
-    or deleted, making the root's Mb [0, 0, 0, 1]; B (a = 0) is pushed into A's slot and its
-    Mb updated: that must not touch the root's, which draws token 3. Dyadic values: exact."""
-    B, V = 16, 4
-    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 0, 2, 2, 3]] * B)).to(DEVICE)
-    quarter = [0.25] * 4
-    p = torch.tensor([[0.0, 0.375, 0.375, 0.25], quarter, quarter, quarter, quarter, quarter, quarter])
-    q = torch.tensor([quarter, [0.5, 0.25, 0.25, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0],
-                      [0.125, 0.125, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0], quarter])
-    if sampling == "without_replacement":  # siblings hold the first child's q; removals give the rows above
-        q = q[[0, 1, 1, 1, 4, 4, 6]]
-    p, q = p.expand(B, 7, V).contiguous().to(DEVICE), q.expand(B, 7, V).contiguous().to(DEVICE)
-    x = torch.tensor([[0, -1, 1, 0, V + 2, -1, V]], device=DEVICE).expand(B, 7).contiguous()
+    """A node pushed into the slot of a deleted leaf whose Mb was swapped in from the spare row must
+    not write over a row still in use (:func:`kernelcheck.traversal_slots_case`)."""
+    B = 16
+    tree, p, q, x = traversal_slots_case(sampling, B)
     rng = ss.Philox(torch.arange(B, device=DEVICE) + 1000)
     ua, us = _uniforms("traversal", rng, B, 7)
-    path, n, y = got = _run(p, x, tree, q, "traversal", sampling, u_accept=ua, u_sample=us)
+    got = _run(p, x, tree, q, "traversal", sampling, u_accept=ua, u_sample=us)
     _assert_same(got, ss.verify_tree(p, x, tree, q, method="traversal", draft_sampling=sampling, rng=rng), sampling)
-    assert torch.equal(y, torch.where(n == 1, 2, 3)) and (path[:, 1] == torch.where(n == 1, 2, -1)).all()
-    assert 0 < int(n.sum()) < B // 2  # A is accepted with probability 0.2
+    assert_traversal_slots_outcome(*got)
 
 
 @pytest.mark.parametrize("method, sampling", WALKS)

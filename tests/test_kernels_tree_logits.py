@@ -17,7 +17,14 @@ import pytest
 import torch
 
 import specsampler as ss
-from kernelcheck import DEVICE, recorded_loads, row_reads, to_device
+from kernelcheck import (
+    DEVICE,
+    assert_traversal_slots_outcome,
+    recorded_loads,
+    row_reads,
+    to_device,
+    traversal_slots_case,
+)
 from specsampler import SamplingParams as SP
 from specsampler import TokenTree
 from specsampler.rng import STREAM_ACCEPT, uniform
@@ -358,6 +365,19 @@ def test_launcher_rejects_missing_randomness_draft_probs_and_unknown_methods():
     with pytest.raises(ValueError, match="needs seed, or u_sample"):
         ktree.verify_tree_from_logits(logits, links, links, links, logits, "traversal", "iid", 0, *rp,
                                       u_sample=torch.rand(1, 1))
+
+
+@pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
+def test_traversal_slots_keep_their_own_scratch_rows(sampling):
+    """As the test of the same name for the kernel from probabilities (:func:`kernelcheck.traversal_slots_case`),
+    with logits ``log p``: a deleted leaf's slot must keep the row it holds."""
+    B = 16
+    tree, p, q, x = traversal_slots_case(sampling, B)
+    c = Case(p.log(), SP(), None, x, q, tree)
+    rng = ss.Philox(torch.arange(B, device=DEVICE) + 1000)
+    out = _kernel(c, "traversal", sampling, rng)
+    _same(out, _reference(c, "traversal", sampling, rng), sampling)
+    assert_traversal_slots_outcome(*out)
 
 
 @pytest.mark.parametrize("method", SAMPLED)

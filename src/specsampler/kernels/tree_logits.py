@@ -367,6 +367,7 @@ def _traversal_kernel(
         accepted = (top == 0) | (uniform(ua_b, seed, offset, node, ACCEPT, PHILOX) < a_top)
         if ~accepted:  # delete the leaf; its parent (the new top): w = max(a Mb - q, 0), Mb = norm(w), a = ...
             leaf = node
+            mb_buf = tl.where(slots == top, buf, mb_buf)  # the leaf's slot keeps its scratch row
             top -= 1
             node = _pick(stack, slots, top)
             a_top = _pick(a, slots, top)
