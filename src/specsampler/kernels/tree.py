@@ -17,6 +17,10 @@ reads only what the walk needs:
   accepted last node; nodes after the accepted node's subtree in depth-first order are never
   touched.
 
+The ``rrs`` and ``traversal`` kernels also serve :mod:`specsampler.kernels.tree_logits`
+(``FROM_LOGITS``): one walk each, whether target rows are probabilities or logits processed on
+the way.
+
 Rows that change (``r``, ``q`` of ``rrs`` without replacement, ``Mb``, ``Ms``) live in a
 per-request scratch buffer in global memory, unnormalised: such a row holds ``w`` and its
 divisor ``max(sum(w), 1e-30)`` is kept aside, and its value is read as ``w / divisor``, which
@@ -47,18 +51,23 @@ from torch import Tensor
 from .common import (
     ACCEPT,
     SAMPLE,
+    TINY,
     argmax,
     block_size,
     check_randomness,
+    describe,
     last_dim_contiguous,
     randomness,
     request_keys,
     uniform,
 )
+from .rows import draw, invert, kept_weights, load_logits
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
 _TINY_MASS = tl.constexpr(1e-30)  # the reference's clamp of divisors
+# the row descriptor's sizes for the rrs and traversal kernels reading probabilities (no descriptor)
+_NO_DESCRIPTOR = dict(CHUNK=1, BLOCK_CHUNKS=1, NCH_P2=1, CAND=1, NUCLEUS=1, GROUP=1, SEARCH_BLOCK=1, NPIV=1)
 
 
 @triton.jit
@@ -68,6 +77,30 @@ def _row(src, held_row, held, div, offs, mask):
     a = tl.load(src + offs, mask=tl.where(held == 0, mask, False), other=0.0).to(tl.float32)
     w = tl.load(held_row + offs, mask=tl.where(held != 0, mask, False), other=0.0).to(tl.float32)
     return tl.where(held != 0, tl.div_rn(w, div), a)
+
+
+@triton.jit
+def _current(logits_row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, w_min, z,
+             HAS_MASK: tl.constexpr):
+    """A row that starts as a processed row at ``offs`` (any shape; 0 from V on): while ``held`` is 0
+    the processed probability ``kept weight / z`` (logits read), else ``held_row / div`` (the scratch
+    row read). Only the source in use is loaded."""
+    x = load_logits(logits_row, mask_row, offs, tl.where(held == 0, V, 0), HAS_MASK)
+    p = tl.div_rn(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), tl.maximum(z, TINY))
+    w = tl.load(held_row + offs, mask=tl.where(held != 0, offs < V, False), other=0.0)
+    return tl.where(held != 0, tl.div_rn(w, div), p)
+
+
+@triton.jit
+def _target(row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, w_min, z,
+            FROM_LOGITS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """A target row at ``offs`` (0 from V on): :func:`_current` of logits with their row's descriptor,
+    or :func:`_row` of probabilities (the descriptor unused)."""
+    if FROM_LOGITS:
+        p = _current(row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, w_min, z, HAS_MASK)
+    else:
+        p = _row(row, held_row, held, div, offs, offs < V)
+    return p
 
 
 @triton.jit
@@ -102,6 +135,17 @@ def _invert(src, held_row, held, div, u, V, BLOCK_V: tl.constexpr):
         carry += tl.sum(w, 0)
         start += BLOCK_V
     return tl.where(found < V, found, last).to(tl.int64)
+
+
+@triton.jit
+def _draw_in_regs(u, cand_ids, w):
+    """Inversion of ``u`` over weights ``w`` at the increasing ids ``cand_ids`` (a row that is 0
+    elsewhere): the first id of positive weight whose cumulative weight exceeds ``u * total``,
+    else the last id of positive weight; 0 without mass (int64)."""
+    total = tl.sum(w, 0)
+    idx, _ = invert(w, u * total)
+    token = tl.sum(tl.where(tl.arange(0, w.shape[0]) == idx, cand_ids, 0), 0)
+    return tl.where(total > 0.0, token, 0).to(tl.int64)
 
 
 @triton.jit
@@ -166,18 +210,27 @@ def _draws_kernel(
 
 @triton.jit
 def _rrs_kernel(
-    p_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_pb, stride_pn, stride_qb, stride_qn,
-    WO: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    target_ptr, mask_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
+    N, V, D, stride_tb, stride_tn, stride_mb, stride_mn, stride_qb, stride_qn,
+    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
+    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
-    """Recursive rejection sampling down the tree.
+    """Recursive rejection sampling down the tree. Target rows are probabilities, or with
+    ``FROM_LOGITS`` logits processed by each row's parameters (``mask_ptr`` .. ``iscratch_ptr``
+    and the descriptor constants are then read; otherwise unused).
 
-    Scratch rows of the request: 0 and 1 hold the residual ``r`` (one current, one to write
-    the next into), 2 the shared ``q`` (without replacement).
+    At each node the residual ``r`` starts as the target row: from logits in registers at the
+    kept tokens (``r_vec``, when the descriptor holds them), else read in place (through the
+    descriptor) until a rejection writes it to scratch rows 0 and 1 (one current, one to write
+    the next into). Scratch row 2 holds the shared ``q`` (without replacement).
     """
     b = tl.program_id(0).to(tl.int64)
     seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    p_b = p_ptr + b * stride_pb
+    t_b = target_ptr + b * stride_tb
+    mk_b = mask_ptr + b * stride_mb
     q_b = q_ptr + b * stride_qb
     x_b = x_ptr + b * N
     fc_b = fc_ptr + b * N
@@ -186,6 +239,8 @@ def _rrs_kernel(
     us_b = us_ptr + b * N
     scratch = scratch_ptr + b * (3 if WO else 2) * V
     q_held_row = scratch + 2 * V
+    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
+    iscratch_row = iscratch_ptr + b * (2 * CAND)
     cols = tl.arange(0, BLOCK_V)
     slots = tl.arange(0, BLOCK_D)
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
@@ -194,8 +249,22 @@ def _rrs_kernel(
     y = tl.full((), 0, tl.int64)
     walking = n == 0
     while walking:
-        p_row = p_b + v * stride_pn
-        r_held = tl.full((), 0, tl.int32)  # r = p_v until a rejection changes it
+        target_row = t_b + v * stride_tn
+        mask_row = mk_b + v * stride_mn
+        if FROM_LOGITS:
+            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
+                target_row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+        else:  # probabilities: no descriptor, nothing in registers
+            m = tl.full((), 0.0, tl.float32)
+            inv_t, tau, w_min, z = m, m, m, m
+            regs = tl.full((), 0, tl.int32)
+            cut = regs
+            cand_ids = tl.zeros((CAND,), tl.int32) + V
+            cand_w = tl.zeros((CAND,), tl.float32)
+        cand_in = cand_ids < V
+        r_vec = tl.div_rn(cand_w, tl.maximum(z, TINY))  # r = p_v at the kept tokens (regs != 0)
+        r_held = tl.full((), 0, tl.int32)  # otherwise r = p_v until a rejection changes it
         r_buf = tl.full((), 0, tl.int32)
         r_div = tl.full((), 1.0, tl.float32)
         kid = tl.load(fc_b + v)
@@ -205,35 +274,54 @@ def _rrs_kernel(
         chosen = tl.full((), -1, tl.int64)
         while (kid >= 0) & (chosen < 0):
             x = tl.load(x_b + kid)
-            xc = tl.minimum(tl.maximum(x, 0), V - 1)
+            inside = (x >= 0) & (x < V)
+            xc = tl.minimum(tl.maximum(x, 0), V - 1).to(tl.int32)
             q_row = q_shared if WO else q_b + kid * stride_qn
             q_x = _row(q_row, q_held_row, q_held, q_div, xc, xc >= 0)
-            r_x = _row(p_row, scratch + r_buf * V, r_held, r_div, xc, xc >= 0)
+            r_x = tl.full((), 0.0, tl.float32)
+            if regs != 0:
+                r_x = tl.sum(tl.where(cand_ids == xc, r_vec, 0.0), 0)
+            else:
+                r_x = _target(target_row, mask_row, scratch + r_buf * V, r_held, r_div, xc, V, m, inv_t, tau, cut,
+                              w_min, z, FROM_LOGITS, HAS_MASK)
             u = uniform(ua_b, seed, offset, kid, ACCEPT, PHILOX)
-            if (x >= 0) & (x < V) & (u * q_x < r_x):
+            if inside & (u * q_x < r_x):
                 chosen = kid
             else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
                 tl.debug_barrier()  # every thread has read r(x_c), q(x_c) before q is rewritten in place
-                out = tl.where(r_held != 0, 1 - r_buf, r_buf)
                 mass = tl.full((), 0.0, tl.float32)
+                if regs != 0:  # r - q is 0 outside the kept tokens: q is needed there only
+                    q_c = _row(q_row, q_held_row, q_held, q_div, tl.where(cand_in, cand_ids, 0), cand_in)
+                    d_c = r_vec - q_c
+                    w_c = tl.where(d_c < 0.0, 0.0, d_c)
+                    mass = tl.sum(w_c, 0)
+                    r_vec = tl.where(mass > 0.0, tl.div_rn(w_c, _clamp_divisor(mass)), r_vec)
+                    tl.debug_barrier()  # q gathered before the pass below rewrites it in place
+                out = tl.where(r_held != 0, 1 - r_buf, r_buf)
                 q_mass = tl.full((), 0.0, tl.float32)
-                for start in range(0, V, BLOCK_V):
+                end = tl.where(regs == 0, V, 0)  # a pass over the row: for a residual not in registers,
+                if WO:  # and for the new mass of the shared q
+                    end = V
+                for start in range(0, end, BLOCK_V):
                     offs = start + cols
                     mask = offs < V
                     q = _row(q_row, q_held_row, q_held, q_div, offs, mask)
-                    d = _row(p_row, scratch + r_buf * V, r_held, r_div, offs, mask) - q
-                    w = tl.where(d < 0.0, 0.0, d)
-                    tl.store(scratch + out * V + offs, w, mask=mask)
-                    mass += tl.sum(w, 0)
+                    if regs == 0:
+                        d = _target(target_row, mask_row, scratch + r_buf * V, r_held, r_div, offs, V, m, inv_t,
+                                    tau, cut, w_min, z, FROM_LOGITS, HAS_MASK) - q
+                        w = tl.where(d < 0.0, 0.0, d)
+                        tl.store(scratch + out * V + offs, w, mask=mask)
+                        mass += tl.sum(w, 0)
                     if WO:
                         q = tl.where(offs == xc, 0.0, q)
                         tl.store(q_held_row + offs, q, mask=mask)
                         q_mass += tl.sum(q, 0)
                 tl.debug_barrier()
-                has_mass = mass > 0.0
-                r_buf = tl.where(has_mass, out, r_buf)
-                r_div = tl.where(has_mass, _clamp_divisor(mass), r_div)
-                r_held = tl.where(has_mass, 1, r_held)
+                if regs == 0:
+                    has_mass = mass > 0.0
+                    r_buf = tl.where(has_mass, out, r_buf)
+                    r_div = tl.where(has_mass, _clamp_divisor(mass), r_div)
+                    r_held = tl.where(has_mass, 1, r_held)
                 if WO:
                     q_held = tl.full((), 1, tl.int32)
                     q_div = _clamp_divisor(q_mass)
@@ -245,18 +333,34 @@ def _rrs_kernel(
             v = chosen
         else:
             u = uniform(us_b, seed, offset, v, SAMPLE, PHILOX)
-            y = _invert(p_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
+            if regs != 0:
+                y = _draw_in_regs(u, cand_ids, r_vec)
+            elif r_held != 0:
+                y = _invert(target_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
+            else:  # r = p_v
+                if FROM_LOGITS:  # the draw of the descriptor (the chunk masses are still in fscratch)
+                    token, _ = draw(u, m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w, target_row, mask_row,
+                                    V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+                    y = token.to(tl.int64)
+                else:
+                    y = _invert(target_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
     _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
 def _traversal_kernel(
-    p_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_pb, stride_pn, stride_qb, stride_qn,
-    WO: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    target_ptr, mask_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
+    N, V, D, stride_tb, stride_tn, stride_mb, stride_mn, stride_qb, stride_qn,
+    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
+    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
     """Traversal verification: the first leaf in depth-first order is tested; a rejected leaf
-    is deleted and its parent updated.
+    is deleted and its parent updated. Target rows are probabilities, or with ``FROM_LOGITS``
+    logits processed by each row's parameters (``mask_ptr`` .. ``iscratch_ptr`` and the
+    descriptor constants are then read; otherwise unused).
 
     The current leftmost path fills slots 0..top. The top slot's state is in scalars: ``node``,
     ``a_top``, its ``Mb`` (``held``: 0 while it is the node's target row, else scratch row
@@ -265,10 +369,13 @@ def _traversal_kernel(
     vectors, written when a child is pushed above them and read back when they are the top
     again. Scratch rows 0..D+1 hold ``Mb``: one per slot (``mb_buf``) and a ``spare``, which a
     held ``Mb``'s update is written to and then swapped in (without mass the old one stays).
+    From logits each slot also holds its row's descriptor (``d_*``): the top's row is described
+    when its first child is pushed, and its ``Mb`` read through it while ``held`` is 0.
     """
     b = tl.program_id(0).to(tl.int64)
     seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    p_b = p_ptr + b * stride_pb
+    t_b = target_ptr + b * stride_tb
+    mk_b = mask_ptr + b * stride_mb
     q_b = q_ptr + b * stride_qb
     x_b = x_ptr + b * N
     fc_b = fc_ptr + b * N
@@ -277,6 +384,8 @@ def _traversal_kernel(
     us_b = us_ptr + b * N
     scratch = scratch_ptr + b * ((2 * D + 3) if WO else (D + 2)) * V
     ms_scratch = scratch + (D + 2) * V
+    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
+    iscratch_row = iscratch_ptr + b * (2 * CAND)
     cols = tl.arange(0, BLOCK_V)
     slots = tl.arange(0, BLOCK_D)
     stack = tl.full((BLOCK_D,), -1, tl.int64)
@@ -287,6 +396,12 @@ def _traversal_kernel(
     ms_src = tl.zeros((BLOCK_D,), tl.int64)
     ms_held = tl.zeros((BLOCK_D,), tl.int32)
     ms_div = tl.full((BLOCK_D,), 1.0, tl.float32)
+    s_m = tl.zeros((BLOCK_D,), tl.float32)
+    s_inv_t = tl.full((BLOCK_D,), 1.0, tl.float32)
+    s_tau = tl.zeros((BLOCK_D,), tl.float32)
+    s_cut = tl.zeros((BLOCK_D,), tl.int32)
+    s_w_min = tl.zeros((BLOCK_D,), tl.float32)
+    s_z = tl.zeros((BLOCK_D,), tl.float32)
     top = tl.full((), 0, tl.int32)  # the root, a(root) = 1, Mb = p_root
     node = tl.full((), 0, tl.int64)
     a_top = tl.full((), 1.0, tl.float32)
@@ -296,20 +411,32 @@ def _traversal_kernel(
     q_src = tl.full((), 0, tl.int64)
     q_held = tl.full((), 0, tl.int32)
     q_div = tl.full((), 1.0, tl.float32)
+    d_m = tl.full((), 0.0, tl.float32)
+    d_inv_t = tl.full((), 1.0, tl.float32)
+    d_tau = tl.full((), 0.0, tl.float32)
+    d_cut = tl.full((), 0, tl.int32)
+    d_w_min = tl.full((), 0.0, tl.float32)
+    d_z = tl.full((), 0.0, tl.float32)
     spare = tl.zeros((), tl.int32) + D + 1
     pending = tl.load(fc_b)  # the next node to push: a first child, or the sibling of a deleted leaf
-    first = pending >= 0  # whether it is a first child (its q starts its parent's Ms)
+    first = pending >= 0  # whether it is a first child (its q starts its parent's Ms; its parent is described)
     accepted = pending < -1
     steps = tl.full((), 0, tl.int32)
     while (~accepted) & (steps <= N):  # each step deletes a node: N steps at most
         while pending >= 0:  # push `pending` above the top, then first children down to a leaf
-            if first:  # Ms of the top starts as its first child's q
+            if first:  # the top gets children: Ms starts as its first child's q, Mb = p is described
                 q_src = pending
                 q_held = tl.full((), 0, tl.int32)
                 q_div = tl.full((), 1.0, tl.float32)
+                if FROM_LOGITS:
+                    d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, _, _, _ = describe(
+                        t_b + node * stride_tn, mk_b + node * stride_mn, b * N + node, V, temperature_ptr,
+                        top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row, iscratch_row,
+                        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
             x = tl.load(x_b + pending)
-            xc = tl.minimum(tl.maximum(x, 0), V - 1)
-            mb_x = _row(p_b + node * stride_pn, scratch + buf * V, held, div, xc, xc >= 0)
+            xc = tl.minimum(tl.maximum(x, 0), V - 1).to(tl.int32)
+            mb_x = _target(t_b + node * stride_tn, mk_b + node * stride_mn, scratch + buf * V, held, div, xc, V, d_m,
+                           d_inv_t, d_tau, d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
             if WO:
                 q_x = _row(q_b + q_src * stride_qn, ms_scratch + top * V, q_held, q_div, xc, xc >= 0)
             else:
@@ -322,6 +449,13 @@ def _traversal_kernel(
             mb_held = tl.where(at, held, mb_held)
             mb_buf = tl.where(at, buf, mb_buf)
             mb_div = tl.where(at, div, mb_div)
+            if FROM_LOGITS:
+                s_m = tl.where(at, d_m, s_m)
+                s_inv_t = tl.where(at, d_inv_t, s_inv_t)
+                s_tau = tl.where(at, d_tau, s_tau)
+                s_cut = tl.where(at, d_cut, s_cut)
+                s_w_min = tl.where(at, d_w_min, s_w_min)
+                s_z = tl.where(at, d_z, s_z)
             if WO:
                 ms_src = tl.where(at, q_src, ms_src)
                 ms_held = tl.where(at, q_held, ms_held)
@@ -344,6 +478,13 @@ def _traversal_kernel(
             held = _pick(mb_held, slots, top)
             buf = _pick(mb_buf, slots, top)
             div = _pick(mb_div, slots, top)
+            if FROM_LOGITS:
+                d_m = _pick(s_m, slots, top)
+                d_inv_t = _pick(s_inv_t, slots, top)
+                d_tau = _pick(s_tau, slots, top)
+                d_cut = _pick(s_cut, slots, top)
+                d_w_min = _pick(s_w_min, slots, top)
+                d_z = _pick(s_z, slots, top)
             if WO:
                 q_src = _pick(ms_src, slots, top)
                 q_held = _pick(ms_held, slots, top)
@@ -358,7 +499,9 @@ def _traversal_kernel(
                 offs = start + cols
                 mask = offs < V
                 q = _row(q_row, ms_scratch + top * V, q_held, q_div, offs, mask)
-                d = a_top * _row(p_b + node * stride_pn, scratch + buf * V, held, div, offs, mask) - q
+                mb = _target(t_b + node * stride_tn, mk_b + node * stride_mn, scratch + buf * V, held, div, offs, V,
+                             d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
+                d = a_top * mb - q
                 w = tl.where(d < 0.0, 0.0, d)
                 tl.store(scratch + out * V + offs, w, mask=mask)
                 mass += tl.sum(w, 0)
@@ -380,7 +523,22 @@ def _traversal_kernel(
             first = pending < -1
         steps += 1
     u = uniform(us_b, seed, offset, node, SAMPLE, PHILOX)
-    y = _invert(p_b + node * stride_pn, scratch + buf * V, held, div, u, V, BLOCK_V)
+    y = tl.full((), 0, tl.int64)
+    if FROM_LOGITS:
+        if held != 0:
+            y = _invert(t_b + node * stride_tn, scratch + buf * V, held, div, u, V, BLOCK_V)
+        else:  # Mb = p of the last node: its draw (a leaf's row is read here for the first time)
+            logits_row = t_b + node * stride_tn
+            mask_row = mk_b + node * stride_mn
+            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
+                logits_row, mask_row, b * N + node, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                fscratch_row, iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP,
+                SEARCH_BLOCK, NPIV)
+            token, _ = draw(u, m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w, logits_row, mask_row, V,
+                            fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+            y = token.to(tl.int64)
+    else:
+        y = _invert(t_b + node * stride_tn, scratch + buf * V, held, div, u, V, BLOCK_V)
     path = tl.where(slots < top, stack, tl.where(slots == top, node, -1))
     _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, top, y)
 
@@ -477,7 +635,11 @@ def verify_tree(
                             GREEDY=method == "greedy", **meta)
         return outs
     wo = draft_sampling == "without_replacement"
+    rows = scratch(method, wo, B, D, V, dev)
+    # kernels shared with tree_logits: the arguments only logits need (mask, parameters, descriptor
+    # scratch) are given p, and never read
     kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](p, q, *links, seed, offset, ua, us, scratch(method, wo, B, D, V, dev), *outs, N, V, D,
-                 p.stride(0), p.stride(1), q.stride(0), q.stride(1), WO=wo, **meta)
+    kernel[(B,)](p, p, q, *links, p, p, p, p, seed, offset, ua, us, rows, p, p, *outs, N, V, D,
+                 p.stride(0), p.stride(1), 0, 0, q.stride(0), q.stride(1), FROM_LOGITS=False, WO=wo, HAS_MASK=False,
+                 **_NO_DESCRIPTOR, **meta)
     return outs
