@@ -80,24 +80,17 @@ def _row(src, held_row, held, div, offs, mask):
 
 
 @triton.jit
-def _current(logits_row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, w_min, z,
-             HAS_MASK: tl.constexpr):
-    """A row that starts as a processed row at ``offs`` (any shape; 0 from V on): while ``held`` is 0
-    the processed probability ``kept weight / z`` (logits read), else ``held_row / div`` (the scratch
-    row read). Only the source in use is loaded."""
-    x = load_logits(logits_row, mask_row, offs, tl.where(held == 0, V, 0), HAS_MASK)
-    p = tl.div_rn(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), tl.maximum(z, TINY))
-    w = tl.load(held_row + offs, mask=tl.where(held != 0, offs < V, False), other=0.0)
-    return tl.where(held != 0, tl.div_rn(w, div), p)
-
-
-@triton.jit
 def _target(row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, w_min, z,
             FROM_LOGITS: tl.constexpr, HAS_MASK: tl.constexpr):
-    """A target row at ``offs`` (0 from V on): :func:`_current` of logits with their row's descriptor,
-    or :func:`_row` of probabilities (the descriptor unused)."""
+    """A target row at ``offs`` (any shape; 0 from V on) that starts as the node's target: while
+    ``held`` is 0 the input row (probabilities; from logits the processed probability
+    ``kept weight / z`` through the row's descriptor), else ``held_row / div`` (the scratch row).
+    Only the source in use is loaded; the descriptor is unused for probabilities."""
     if FROM_LOGITS:
-        p = _current(row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, w_min, z, HAS_MASK)
+        x = load_logits(row, mask_row, offs, tl.where(held == 0, V, 0), HAS_MASK)
+        p = tl.div_rn(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), tl.maximum(z, TINY))
+        w = tl.load(held_row + offs, mask=tl.where(held != 0, offs < V, False), other=0.0)
+        p = tl.where(held != 0, tl.div_rn(w, div), p)
     else:
         p = _row(row, held_row, held, div, offs, offs < V)
     return p
