@@ -322,16 +322,23 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         assert vals[b].tolist() == scores[b, expected].tolist()
 
 
-@pytest.mark.parametrize("shape, density", [((64, 20000), 0.02), ((40, 32768), 0.002), ((16, 65536), 0.3),
-                                            ((64, 4096), 0.02), ((3, 16), 0.5), ((7, 8), 1.0), ((4, 24), 0.0),
-                                            ((0, 8), 0.1), ((2, 13), 0.4)])
-def test_sparse_mask_positions_equal_nonzero(shape, density):  # large sparse masks take the word scan
-    from specsampler.processing import _nonzero_2d
+@pytest.mark.parametrize("shape, density", [((64, 20000), 0.02), ((16, 65536), 0.3), ((3, 16), 0.5), ((7, 8), 1.0),
+                                            ((4, 24), 0.0), ((0, 8), 0.1), ((2, 13), 0.4), ((3, 0), 0.5)])
+@pytest.mark.parametrize("compare", ["ge", "eq"])
+def test_positions_equal_nonzero_of_the_comparison(shape, density, compare):  # on CPU through NumPy
+    from specsampler.processing import _positions
 
     g = torch.Generator().manual_seed(shape[1])
-    mask = torch.rand(shape, generator=g) < density
-    for got, want in zip(_nonzero_2d(mask), mask.nonzero(as_tuple=True)):
-        assert torch.equal(got, want)
+    x = torch.randint(0, 1000, shape, generator=g, dtype=torch.int32)
+    bound = torch.randint(0, 1000, (shape[0], 1), generator=g, dtype=torch.int32)
+    if compare == "eq":
+        x = torch.where(torch.rand(shape, generator=g) < density, bound, x + 1000)
+    else:
+        bound = torch.full_like(bound, int(1000 * (1 - density)))
+    want = getattr(torch, compare)(x, bound).nonzero(as_tuple=True)
+    for got, floats in ((_positions(compare, x, bound), False), (_positions(compare, x.float(), bound.float()), True)):
+        for got_t, want_t in zip(got, want):
+            assert got_t.dtype == torch.int64 and torch.equal(got_t, want_t), (compare, floats)
 
 
 def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
