@@ -322,6 +322,17 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         assert vals[b].tolist() == scores[b, expected].tolist()
 
 
+def test_top_candidates_from_chunk_maxima_put_nan_first():  # as torch.topk does
+    from specsampler.processing import _ordered_prefix_by_chunks
+
+    scores = torch.arange(160, dtype=torch.float32).repeat(3, 1)
+    scores[1, 7] = float("nan")
+    scores[2, [3, 90]] = float("nan")
+    vals, ids = _ordered_prefix_by_chunks(scores, 4, 8)
+    assert ids.tolist() == [[159, 158, 157, 156], [7, 159, 158, 157], [3, 90, 159, 158]]
+    assert vals[1, 0].isnan() and vals[1, 1:].tolist() == [159.0, 158.0, 157.0]
+
+
 @pytest.mark.parametrize("shape, density", [((64, 20000), 0.02), ((16, 65536), 0.3), ((3, 16), 0.5), ((7, 8), 1.0),
                                             ((4, 24), 0.0), ((0, 8), 0.1), ((2, 13), 0.4), ((3, 0), 0.5)])
 @pytest.mark.parametrize("compare", ["ge", "eq"])

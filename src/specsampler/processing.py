@@ -256,6 +256,18 @@ def _ordered_prefix_of_rows(scores: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return vals, ids.gather(1, perm2)
 
 
+def _ordered_prefix_above(scores: Tensor, floor: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` of rows without NaN that hold at least ``n`` scores >= ``floor``
+    ``[R, 1]``: those scores, gathered in position order, stably sorted."""
+    R, C = scores.shape
+    b, col = _positions("ge", scores, floor)
+    at, pos = _by_row(b, R, col)
+    vals = torch.full((pos.numel(),), float("-inf"), device=scores.device)  # padding sorts last
+    vals = vals.scatter_(0, at, scores.reshape(-1).index_select(0, b * C + col)).view(pos.shape)
+    vals, order = vals.sort(dim=-1, descending=True, stable=True)
+    return vals[:, :n], pos.gather(1, order[:, :n])
+
+
 def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`ordered_prefix` among the n + 1 chunks of length L with the largest maxima.
 
@@ -267,7 +279,10 @@ def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor 
     best = torch.topk(chunks.amax(-1) if chunk_max is None else chunk_max, n + 2, dim=-1)
     picked = best.indices[:, : n + 1].sort(-1).values  # in id order, so that ties go to the lower id
     cand = chunks.gather(1, picked[:, :, None].expand(R, n + 1, L)).view(R, -1)
-    vals, pos = _ordered_prefix_of_rows(cand, n + 1)
+    if bool(best.values.isnan().any()):  # a picked chunk holds NaN (its maximum is NaN)
+        vals, pos = _ordered_prefix_of_rows(cand, n + 1)
+    else:  # the candidates of at least the (n+1)-th largest maximum: the picked chunks' maxima and a few more
+        vals, pos = _ordered_prefix_above(cand, best.values[:, n : n + 1], n + 1)
     ids = picked.gather(1, pos // L) * L + pos % L
     exact = vals[:, n] > best.values[:, n + 1]
     vals, ids = vals[:, :n], ids[:, :n]
