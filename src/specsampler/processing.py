@@ -278,7 +278,8 @@ def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor 
     chunks = scores.view(R, V // L, L)
     best = torch.topk(chunks.amax(-1) if chunk_max is None else chunk_max, n + 2, dim=-1)
     picked = best.indices[:, : n + 1].sort(-1).values  # in id order, so that ties go to the lower id
-    cand = chunks.gather(1, picked[:, :, None].expand(R, n + 1, L)).view(R, -1)
+    whole = (picked + torch.arange(0, R * (V // L), V // L, device=scores.device)[:, None]).view(-1)
+    cand = chunks.reshape(-1, L).index_select(0, whole).view(R, -1)  # whole chunks: faster than a gather
     if bool(best.values.isnan().any()):  # a picked chunk holds NaN (its maximum is NaN)
         vals, pos = _ordered_prefix_of_rows(cand, n + 1)
     else:  # the candidates of at least the (n+1)-th largest maximum: the picked chunks' maxima and a few more
