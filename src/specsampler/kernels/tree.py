@@ -17,9 +17,8 @@ reads only what the walk needs:
   accepted last node; nodes after the accepted node's subtree in depth-first order are never
   touched.
 
-The ``rrs`` and ``traversal`` kernels also serve :mod:`specsampler.kernels.tree_logits`
-(``FROM_LOGITS``): one walk each, whether target rows are probabilities or logits processed on
-the way.
+All three kernels also serve :mod:`specsampler.kernels.tree_logits` (``FROM_LOGITS``): one walk
+each, whether target rows are probabilities or logits processed on the way.
 
 Rows that change (``r``, ``q`` of ``rrs`` without replacement, ``Mb``, ``Ms``) live in a
 per-request scratch buffer in global memory, unnormalised: such a row holds ``w`` and its
@@ -43,6 +42,8 @@ Randomness: the acceptance test of node c (``rrs``: child c tested; ``traversal`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -61,7 +62,7 @@ from .common import (
     request_keys,
     uniform,
 )
-from .rows import draw, invert, kept_weights, load_logits
+from .rows import draw, invert, kept_weights, load_logits, scan_row
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
@@ -168,18 +169,27 @@ def _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y):
 
 @triton.jit
 def _draws_kernel(
-    p_ptr, x_ptr, fc_ptr, ns_ptr, seed_ptr, offset_ptr, us_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_pb, stride_pn,
-    GREEDY: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    src_ptr, mask_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    seed_ptr, offset_ptr, us_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
+    N, V, D, stride_sb, stride_sn, stride_mb, stride_mn,
+    FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
+    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
-    """greedy / target_only: draw y at the current node, move to its first child carrying y."""
+    """greedy / target_only: y at the current node (the argmax, or the draw), move to its first child
+    carrying y. Rows are probabilities, or with ``FROM_LOGITS`` logits processed by their row's
+    parameters (mask, descriptor scratch: only then)."""
     b = tl.program_id(0).to(tl.int64)
     seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    p_b = p_ptr + b * stride_pb
+    s_b = src_ptr + b * stride_sb
+    mk_b = mask_ptr + b * stride_mb
     x_b = x_ptr + b * N
     fc_b = fc_ptr + b * N
     ns_b = ns_ptr + b * N
     us_b = us_ptr + b * N
+    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
+    iscratch_row = iscratch_ptr + b * (2 * CAND)
     slots = tl.arange(0, BLOCK_D)
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
     v = tl.full((), 0, tl.int64)
@@ -187,11 +197,23 @@ def _draws_kernel(
     y = tl.full((), 0, tl.int64)
     walking = n == 0
     while walking:
-        row = p_b + v * stride_pn
-        if GREEDY:
-            y = argmax(row, V, BLOCK_V).to(tl.int64)
+        row = s_b + v * stride_sn
+        mask_row = mk_b + v * stride_mn
+        if not FROM_LOGITS:
+            if GREEDY:
+                y = argmax(row, V, BLOCK_V).to(tl.int64)
+            else:
+                y = _invert(row, row, 0, 1.0, uniform(us_b, seed, offset, v, SAMPLE, PHILOX), V, BLOCK_V)
+        elif GREEDY:
+            _, arg = scan_row(row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+            y = arg.to(tl.int64)
         else:
-            y = _invert(row, row, 0, 1.0, uniform(us_b, seed, offset, v, SAMPLE, PHILOX), V, BLOCK_V)
+            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
+                row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+            token, _ = draw(uniform(us_b, seed, offset, v, SAMPLE, PHILOX), m, inv_t, tau, cut, w_min, z, regs,
+                            cand_ids, cand_w, row, mask_row, V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+            y = token.to(tl.int64)
         found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
         walking = found >= 0
         if walking:
@@ -536,11 +558,24 @@ def _traversal_kernel(
     _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, top, y)
 
 
-def check_args(op: str, method: str, draft_sampling: str, draft_probs: Tensor | None, seed, u_accept: Tensor | None,
-               u_sample: Tensor | None) -> tuple[bool, bool]:
-    """``(stochastic_drafts, philox)`` of a launcher's arguments: whether ``method`` tests sampled drafts
-    (``rrs``, ``traversal``), and whether its uniforms come from Philox. Raises ``ValueError`` (prefixed
-    by ``op``) on an unknown method or draft sampling, or on missing inputs."""
+class Launch(NamedTuple):
+    """A tree launcher's checked inputs, as both launchers pass them to their kernels."""
+
+    stochastic_drafts: bool  # the method tests sampled drafts (rrs, traversal)
+    philox: bool  # the uniforms come from Philox keys
+    target: Tensor  # [B, N, V], last dim contiguous
+    q: Tensor  # the draft rows, last dim contiguous (the target where the method reads none)
+    links: tuple[Tensor, Tensor, Tensor]  # draft_tokens, first_child, next_sibling: int64, contiguous
+    keys: tuple[Tensor, Tensor, Tensor, Tensor]  # seed, offset, u_accept, u_sample as the kernels take them
+
+
+def prepare(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
+            draft_probs: Tensor | None, method: str, draft_sampling: str, max_depth: int, seed, offset,
+            u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[tuple[Tensor, Tensor, Tensor], Launch | None]:
+    """What both launchers do first: the uninitialised outputs ``(path, num_accepted, y)`` (int64
+    ``[B, D+1]``, ``[B]``, ``[B]``) and the kernels' common arguments (None for an empty batch).
+    Raises ``ValueError`` (prefixed by ``op``) on an unknown method or draft sampling, or on
+    missing inputs."""
     if method not in METHODS:
         raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
     if draft_sampling not in DRAFT_SAMPLING:
@@ -548,14 +583,15 @@ def check_args(op: str, method: str, draft_sampling: str, draft_probs: Tensor | 
     stochastic_drafts = method in ("rrs", "traversal")
     if stochastic_drafts and draft_probs is None:
         raise ValueError(f"{op}: method {method!r} needs draft_probs")
-    return stochastic_drafts, check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts,
-                                               " for rrs and traversal")
-
-
-def outputs(B: int, D: int, device) -> tuple[Tensor, Tensor, Tensor]:
-    """Uninitialised ``(path, num_accepted, y)``: int64 ``[B, D+1]``, ``[B]``, ``[B]``."""
-    path = torch.empty(B, D + 1, dtype=torch.int64, device=device)
-    return path, torch.empty(B, dtype=torch.int64, device=device), torch.empty(B, dtype=torch.int64, device=device)
+    philox = check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts, " for rrs and traversal")
+    B, dev = target.shape[0], target.device
+    outs = tuple(torch.empty(shape, dtype=torch.int64, device=dev) for shape in ((B, max_depth + 1), (B,), (B,)))
+    if B == 0:
+        return outs, None
+    x = last_dim_contiguous(target)
+    links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
+    return outs, Launch(stochastic_drafts, philox, x, last_dim_contiguous(draft_probs) if stochastic_drafts else x,
+                        links, randomness(seed, offset, u_accept, u_sample, B, dev, unused=x))
 
 
 def scratch(method: str, wo: bool, B: int, D: int, V: int, device) -> Tensor:
@@ -610,29 +646,26 @@ def verify_tree(
         num_accepted: int64 ``[B]``: accepted drafts.
         y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
     """
-    op = "specsampler.kernels.tree.verify_tree"
-    stochastic_drafts, philox = check_args(op, method, draft_sampling, draft_probs, seed, u_accept, u_sample)
-    B, N, V = target_probs.shape
-    D, dev = max_depth, target_probs.device
-    outs = outputs(B, D, dev)
-    if B == 0:
+    outs, run = prepare("specsampler.kernels.tree.verify_tree", target_probs, draft_tokens, first_child,
+                        next_sibling, draft_probs, method, draft_sampling, max_depth, seed, offset, u_accept, u_sample)
+    if run is None:
         return outs
-    p = last_dim_contiguous(target_probs)
-    q = last_dim_contiguous(draft_probs) if stochastic_drafts else p
-    links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
-    seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=p)
-    meta = dict(PHILOX=philox, BLOCK_V=block_v or block_size(1024, V), BLOCK_D=triton.next_power_of_2(D + 2),
+    p, q, D = run.target, run.q, max_depth
+    B, N, V = p.shape
+    seed, offset, ua, us = run.keys
+    meta = dict(PHILOX=run.philox, BLOCK_V=block_v or block_size(1024, V), BLOCK_D=triton.next_power_of_2(D + 2),
                 enable_fp_fusion=False)
-    if not stochastic_drafts:
-        _draws_kernel[(B,)](p, *links, seed, offset, us, *outs, N, V, D, p.stride(0), p.stride(1),
-                            GREEDY=method == "greedy", **meta)
+    # the kernels are shared with tree_logits: the arguments only logits need (mask, parameters,
+    # descriptor scratch) are given p, and never read
+    if not run.stochastic_drafts:
+        _draws_kernel[(B,)](p, p, *run.links, p, p, p, p, seed, offset, us, p, p, *outs, N, V, D, p.stride(0),
+                            p.stride(1), 0, 0, FROM_LOGITS=False, GREEDY=method == "greedy", HAS_MASK=False,
+                            **_NO_DESCRIPTOR, **meta)
         return outs
     wo = draft_sampling == "without_replacement"
-    rows = scratch(method, wo, B, D, V, dev)
-    # kernels shared with tree_logits: the arguments only logits need (mask, parameters, descriptor
-    # scratch) are given p, and never read
+    rows = scratch(method, wo, B, D, V, p.device)
     kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](p, p, q, *links, p, p, p, p, seed, offset, ua, us, rows, p, p, *outs, N, V, D,
+    kernel[(B,)](p, p, q, *run.links, p, p, p, p, seed, offset, ua, us, rows, p, p, *outs, N, V, D,
                  p.stride(0), p.stride(1), 0, 0, q.stride(0), q.stride(1), FROM_LOGITS=False, WO=wo, HAS_MASK=False,
                  **_NO_DESCRIPTOR, **meta)
     return outs

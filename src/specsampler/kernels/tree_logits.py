@@ -7,8 +7,9 @@ and describes a row (:func:`specsampler.kernels.rows.describe_row`: no sort of t
 pass over the row in the common cases, the kept tokens then held in registers) only when the walk
 needs it, so rows of nodes the walk does not visit are never read (logits, mask or draft rows):
 
-- ``greedy``: at each node of the path one argmax pass over the masked logits (the parameters are
-  not read); the children are matched by their token ids alone.
+- ``greedy`` (the draws kernel of :mod:`specsampler.kernels.tree` with ``FROM_LOGITS``, as the two
+  below): at each node of the path one argmax pass over the masked logits (the parameters are not
+  read); the children are matched by their token ids alone.
 - ``target_only``: at each node of the path the row's descriptor and the draw of
   :func:`specsampler.kernels.rows.draw` with the uniform of that node: the token
   :func:`specsampler.sample_from_logits` draws for that row with that uniform.
@@ -39,77 +40,20 @@ Randomness (:mod:`specsampler.rng`): the acceptance test of node c (``rrs``: chi
 from __future__ import annotations
 
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from .common import (
-    SAMPLE,
     block_size,
-    describe,
-    last_dim_contiguous,
     mask_strides,
-    randomness,
-    request_keys,
-    uniform,
 )
-from .rows import draw, row_config, row_scratch, scan_row
+from .rows import row_config, row_scratch
 from .tree import (
-    _child_with,
+    _draws_kernel,
     _rrs_kernel,
-    _store_result,
     _traversal_kernel,
-    check_args,
-    outputs,
+    prepare,
     scratch,
 )
-
-
-@triton.jit
-def _draws_kernel(
-    logits_ptr, mask_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    seed_ptr, offset_ptr, us_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_lb, stride_ln, stride_mb, stride_mn,
-    GREEDY: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
-    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
-):
-    """greedy / target_only: y at the current node (argmax, or the draw), move to its first child carrying y."""
-    b = tl.program_id(0).to(tl.int64)
-    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    l_b = logits_ptr + b * stride_lb
-    mk_b = mask_ptr + b * stride_mb
-    x_b = x_ptr + b * N
-    fc_b = fc_ptr + b * N
-    ns_b = ns_ptr + b * N
-    us_b = us_ptr + b * N
-    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
-    iscratch_row = iscratch_ptr + b * (2 * CAND)
-    slots = tl.arange(0, BLOCK_D)
-    path = tl.where(slots == 0, 0, -1).to(tl.int64)
-    v = tl.full((), 0, tl.int64)
-    n = tl.full((), 0, tl.int32)
-    y = tl.full((), 0, tl.int64)
-    walking = n == 0
-    while walking:
-        logits_row = l_b + v * stride_ln
-        mask_row = mk_b + v * stride_mn
-        if GREEDY:
-            _, arg = scan_row(logits_row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
-            y = arg.to(tl.int64)
-        else:
-            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
-                logits_row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
-            token, _ = draw(uniform(us_b, seed, offset, v, SAMPLE, PHILOX), m, inv_t, tau, cut, w_min, z, regs,
-                            cand_ids, cand_w, logits_row, mask_row, V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
-            y = token.to(tl.int64)
-        found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
-        walking = found >= 0
-        if walking:
-            n += 1
-            path = tl.where(slots == n, found, path)
-            v = found
-    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 def verify_tree_from_logits(
@@ -177,31 +121,28 @@ def verify_tree_from_logits(
         num_accepted: int64 ``[B]``: accepted drafts.
         y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
     """
-    op = "specsampler.kernels.tree_logits.verify_tree_from_logits"
-    stochastic_drafts, philox = check_args(op, method, draft_sampling, draft_probs, seed, u_accept, u_sample)
-    B, N, V = target_logits.shape
-    D, dev = max_depth, target_logits.device
-    outs = outputs(B, D, dev)
-    if B == 0:
+    outs, run = prepare("specsampler.kernels.tree_logits.verify_tree_from_logits", target_logits, draft_tokens,
+                        first_child, next_sibling, draft_probs, method, draft_sampling, max_depth, seed, offset,
+                        u_accept, u_sample)
+    if run is None:
         return outs
-    logits = last_dim_contiguous(target_logits)
-    q = last_dim_contiguous(draft_probs) if stochastic_drafts else logits
+    logits, q, D, dev = run.target, run.q, max_depth, target_logits.device
+    B, N, V = logits.shape
+    seed, offset, ua, us = run.keys
     mask, stride_mb, stride_mn = mask_strides(vocab_mask, logits)
-    links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
     params = temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous()
-    seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=logits)
     cfg = row_config(V, chunk=chunk, cand=cand)
     fscratch, iscratch = row_scratch(B, cfg, dev)
-    meta = dict(PHILOX=philox, HAS_MASK=vocab_mask is not None, BLOCK_D=triton.next_power_of_2(D + 2),
-                num_warps=num_warps, enable_fp_fusion=False, **cfg)
+    meta = dict(FROM_LOGITS=True, PHILOX=run.philox, HAS_MASK=vocab_mask is not None, BLOCK_V=block_size(block_v, V),
+                BLOCK_D=triton.next_power_of_2(D + 2), num_warps=num_warps, enable_fp_fusion=False, **cfg)
     strides = logits.stride(0), logits.stride(1), stride_mb, stride_mn
-    if not stochastic_drafts:
-        _draws_kernel[(B,)](logits, mask, *links, *params, seed, offset, us, fscratch, iscratch, *outs, N, V, D,
+    if not run.stochastic_drafts:
+        _draws_kernel[(B,)](logits, mask, *run.links, *params, seed, offset, us, fscratch, iscratch, *outs, N, V, D,
                             *strides, GREEDY=method == "greedy", **meta)
         return outs
     wo = draft_sampling == "without_replacement"
-    args = (logits, mask, q, *links, *params, seed, offset, ua, us, scratch(method, wo, B, D, V, dev), fscratch,
+    args = (logits, mask, q, *run.links, *params, seed, offset, ua, us, scratch(method, wo, B, D, V, dev), fscratch,
             iscratch, *outs, N, V, D, *strides, q.stride(0), q.stride(1))
     kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](*args, FROM_LOGITS=True, WO=wo, BLOCK_V=block_size(block_v, V), **meta)
+    kernel[(B,)](*args, WO=wo, **meta)
     return outs
