@@ -674,3 +674,32 @@ def test_sampling_matches_numpy_reference_of_inversion():
     u = uniform(rng, "t", 1, 1, STREAM_SAMPLE, torch.device("cpu"))[0, 0].item()
     expected = int(np.searchsorted(np.cumsum([0.1, 0.0, 0.6, 0.3]), u * 1.0, side="right"))
     assert ss.sample(probs, rng).item() == expected
+
+
+def test_inputs_that_require_grad_are_taken():  # sampling and verification are not differentiable
+    g = torch.Generator().manual_seed(0)
+    B, K, N, V = 3, 2, 4, 5000  # rows long enough for the nucleus path's scratch buffers
+    logits = torch.randn(B, V, generator=g).requires_grad_()
+    probs = torch.softmax(torch.randn(B, K + 1, V, generator=g), -1).requires_grad_()
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1).requires_grad_()
+    tree_logits = torch.randn(B, N, V, generator=g).requires_grad_()
+    tree_probs = torch.softmax(tree_logits.detach(), -1).requires_grad_()
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]] * B))
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    outs = [
+        ss.sample_from_logits(logits, SP(temperature=0.8, top_p=0.9), ss.Philox(1), num_logprobs=2).tokens,
+        ss.sample_from_logits(logits, SP(temperature=0.8, top_k=5), ss.Philox(1)).tokens,
+        ss.logits_to_probs(logits, SP(top_p=0.9)), ss.logits_to_probs(logits, SP(min_p=0.1)),
+        ss.top_p_renorm(probs, 0.9), ss.top_k_renorm(probs, 3), ss.min_p_renorm(probs, 0.2), ss.sample(probs),
+        ss.verify_chain(probs, drafts, q, rng=ss.Philox(1)).tokens,
+        ss.verify_chain(probs, drafts, q, rng=ss.Philox(1)).expected_accepted,
+        ss.verify_chain_from_logits(logits[:, None].expand(B, K + 1, V), drafts, SP(top_p=0.9), draft_probs=q,
+                                    rng=ss.Philox(1)).tokens,
+        ss.verify_tree(tree_probs, tokens, tree, method="target_only", rng=ss.Philox(1)).path,
+        ss.verify_tree_from_logits(tree_logits, tokens, tree, SP(top_p=0.9), method="target_only",
+                                   rng=ss.Philox(1)).path,
+        ss.verify_tree_from_logits(tree_logits, tokens, tree, SP(top_p=0.9), draft_probs=tree_probs,
+                                   method="traversal", rng=ss.Philox(1)).path,
+    ]
+    assert not any(t.requires_grad for t in outs)

@@ -79,7 +79,8 @@ class ChainResult:
     @cached_property
     def expected_accepted(self) -> Tensor:
         """Computed on first access (where the kernels ran, it reads rows they did not need)."""
-        return self._expected().float()
+        with torch.no_grad():
+            return self._expected().float()
 
     @property
     def num_emitted(self) -> Tensor:
@@ -272,6 +273,7 @@ def _result(c: _Chain, n: Tensor, y: Tensor, expected: Callable[[], Tensor]) -> 
     return ChainResult(tokens, n, expected)
 
 
+@torch.no_grad()
 def verify_chain(
     target_probs: Tensor,
     draft_tokens: Tensor,
@@ -311,6 +313,7 @@ def verify_chain(
     return _verify(c, Processed.from_dense(rows), None, rng, op)
 
 
+@torch.no_grad()
 def verify_chain_from_logits(
     target_logits: Tensor,
     draft_tokens: Tensor,

@@ -27,6 +27,7 @@ def _tree(op: str, tree_mask: Tensor) -> TokenTree:
     return TokenTree.from_mask(tree_mask != 0)
 
 
+@torch.no_grad()
 def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, cache_lens: Tensor,
                       non_leaf_len: int | Tensor, *, kv_cache: Cache | None = None,
                       seq_dim: int = 1) -> tuple[Tensor, Tensor, Tensor]:
@@ -74,6 +75,7 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
     return acc_ids, acc_num, (last >= non_leaf_len).int()
 
 
+@torch.no_grad()
 def verify_stochastic(input_ids: Tensor, tree_mask: Tensor, p_llm: Tensor, p_ssm: Tensor, temperature: float, *,
                       draft_sampling: str = "deterministic", rng: torch.Generator | Philox | None = None,
                       validate: str = "structure") -> tuple[Tensor, Tensor]:

@@ -128,6 +128,7 @@ def _check_inputs(
         _check_node_values(op, "uniform_samples", linked & ~((u >= 0) & (u <= 1)), u, "values in [0, 1]")
 
 
+@torch.no_grad()
 def batch_spec_verify(
     draft_probs: Tensor,
     draft_tokens: Tensor,

@@ -99,6 +99,7 @@ def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams,
     return x, rp, B, M
 
 
+@torch.no_grad()
 def logits_to_probs(
     logits: Tensor,
     params: SamplingParams | None = None,
@@ -132,6 +133,7 @@ def _renorm(op: str, probs: Tensor, params: SamplingParams, validate: str) -> Te
     return process(probs.reshape(-1, V).float(), rp, logits=False).dense().reshape(probs.shape)
 
 
+@torch.no_grad()
 def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structure") -> Tensor:
     """Keep the ``top_k`` most likely tokens of each row (ties to the lower id) and renormalise.
 
@@ -141,6 +143,7 @@ def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structu
     return _renorm("top_k_renorm", probs, SamplingParams(top_k=top_k), validate)
 
 
+@torch.no_grad()
 def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "structure") -> Tensor:
     """Keep the smallest prefix of the (prob desc, id asc) order whose mass reaches ``top_p``.
 
@@ -150,6 +153,7 @@ def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "struc
     return _renorm("top_p_renorm", probs, SamplingParams(top_p=top_p), validate)
 
 
+@torch.no_grad()
 def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "structure") -> Tensor:
     """Keep tokens with probability ``>= min_p * max probability`` of their row, renormalised.
 
@@ -159,6 +163,7 @@ def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "struc
     return _renorm("min_p_renorm", probs, SamplingParams(min_p=min_p), validate)
 
 
+@torch.no_grad()
 def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, validate: str = "structure") -> Tensor:
     """Draw one token from each distribution (categorical over the last dim).
 
@@ -192,6 +197,7 @@ def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
     return seed.repeat_interleave(M), offset.repeat_interleave(M), index, None
 
 
+@torch.no_grad()
 def sample_from_logits(
     logits: Tensor,
     params: SamplingParams | None = None,

@@ -393,6 +393,7 @@ def _walk_kernel(c: _Tree, target: Tensor, rng, op: str, rp: RowParams | None = 
 _WALKS = {"greedy": _walk_draws, "target_only": _walk_draws, "rrs": _walk_rrs, "traversal": _walk_traversal}
 
 
+@torch.no_grad()
 def verify_tree(
     target_probs: Tensor,
     draft_tokens: Tensor,
@@ -441,6 +442,7 @@ def verify_tree(
     return _finish(c, path, n, y, expected)
 
 
+@torch.no_grad()
 def verify_tree_from_logits(
     target_logits: Tensor,
     draft_tokens: Tensor,
