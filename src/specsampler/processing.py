@@ -10,7 +10,8 @@ only their candidate tokens (in id order), the others are dense. Nothing sorts t
 vocabulary:
 
 - top-k: the k largest logits, found among the chunks of the row with the largest maxima
-  (a pass computing chunk maxima, then a top-k over a few chunks);
+  (a pass computing chunk maxima, a top-k over them, then the few tokens of those chunks at
+  or above the (k+1)-th largest maximum, sorted);
 - top-p alone: a token that alone reaches p is the nucleus. Rows of up to 65536 tokens are
   otherwise counted whole: the first digit of a radix select on the float bit patterns (a
   histogram of mass at 64 bins per octave) finds the bin where the nucleus ends, and the
