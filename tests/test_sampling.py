@@ -347,8 +347,9 @@ def test_positions_equal_nonzero_of_the_comparison(shape, density, compare):  # 
     else:
         bound = torch.full_like(bound, int(1000 * (1 - density)))
     want = getattr(torch, compare)(x, bound).nonzero(as_tuple=True)
+    want = (want[0] * shape[1] + want[1], *want)
     for got, floats in ((_positions(compare, x, bound), False), (_positions(compare, x.float(), bound.float()), True)):
-        for got_t, want_t in zip(got, want):
+        for got_t, want_t in zip(got, want, strict=True):
             assert got_t.dtype == torch.int64 and torch.equal(got_t, want_t), (compare, floats)
 
 

@@ -261,10 +261,10 @@ def _ordered_prefix_above(scores: Tensor, floor: Tensor, n: int) -> tuple[Tensor
     """:func:`ordered_prefix` of rows without NaN that hold at least ``n`` scores >= ``floor``
     ``[R, 1]``: those scores, gathered in position order, stably sorted."""
     R, C = scores.shape
-    b, col = _positions("ge", scores, floor)
+    flat, b, col = _positions("ge", scores, floor)
     at, pos = _by_row(b, R, col)
     vals = torch.full((pos.numel(),), float("-inf"), device=scores.device)  # padding sorts last
-    vals = vals.scatter_(0, at, scores.reshape(-1).index_select(0, b * C + col)).view(pos.shape)
+    vals = vals.scatter_(0, at, scores.reshape(-1).index_select(0, flat)).view(pos.shape)
     vals, order = vals.sort(dim=-1, descending=True, stable=True)
     return vals[:, :n], pos.gather(1, order[:, :n])
 
@@ -601,8 +601,7 @@ def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tenso
         sub = _rows_where(few)
         # the tokens of those rows down to the crossing bin, in id order (other rows: none)
         c = torch.where(few[:, None], crossing, _RADIX_KEYS)
-        b, col = _positions("ge", digit, c)
-        flat = b * V + col
+        flat, b, col = _positions("ge", digit, c)
         local = b if sub is None else (few.cumsum(0) - 1).index_select(0, b)
         at, ids, cand = _by_row(local, r if sub is None else sub.numel(), col, w.view(-1).index_select(0, flat))
         pending = digit.view(-1).index_select(0, flat) == crossing[:, 0].index_select(0, b)
@@ -632,8 +631,8 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     compact = likely & (lb != float("inf"))
     parts = []
     if bool(compact.any()):
-        b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
-        _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, b * V + cols))  # candidates in id order
+        flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
+        _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
         compact &= cand.sum(-1) >= target  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
@@ -660,20 +659,23 @@ def _by_row(b: Tensor, r: int, *values: Tensor) -> tuple[Tensor, ...]:
     return at, *(torch.zeros(r * C, dtype=v.dtype, device=v.device).scatter_(0, at, v).view(r, C) for v in values)
 
 
-def _positions(compare: str, x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
-    """Where ``x compare bound`` holds (``compare``: "ge" or "eq"): rows and columns, int64,
-    in row-major order (as ``nonzero(as_tuple=True)``). x: ``[r, C]``; bound: ``[r, 1]``.
+def _positions(compare: str, x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Where ``x compare bound`` holds (``compare``: "ge" or "eq"): flat indices (``row * C +
+    column``), rows and columns, int64, in row-major order (as ``nonzero(as_tuple=True)``).
+    x: ``[r, C]``; bound: ``[r, 1]``.
 
     On CPU through NumPy, at about half ATen's cost on masks of millions of entries: its
     comparison into bools is vectorised (ATen's is not), its flat nonzero faster.
     """
+    C = x.shape[1]
     if x.device.type != "cpu":
-        return getattr(torch, compare)(x, bound).nonzero(as_tuple=True)
+        b, col = getattr(torch, compare)(x, bound).nonzero(as_tuple=True)
+        return b * C + col, b, col
     mask = SCRATCH.get("mask", x.shape, torch.bool, x.device).numpy()
     getattr(np, {"ge": "greater_equal", "eq": "equal"}[compare])(x.numpy(), bound.numpy(), out=mask)
     flat = torch.from_numpy(np.flatnonzero(mask))
-    b = flat // max(1, x.shape[1])
-    return b, flat - b * x.shape[1]
+    b = flat // max(1, C)
+    return flat, b, flat - b * C
 
 
 def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
@@ -736,7 +738,7 @@ def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target:
     # temporaries, which are slower); from here on w is the result
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
     w = torch.mul(w, torch.ge(digit, crossing, out=keep), out=out)
-    b, col = _positions("eq", digit, crossing)
+    _, b, col = _positions("eq", digit, crossing)
     _settle(w, b, col, crossing, above, target)
     return w
 

@@ -67,7 +67,7 @@ from .rows import draw, invert, kept_weights, load_logits, scan_row
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
 _TINY_MASS = tl.constexpr(1e-30)  # the reference's clamp of divisors
-# the row descriptor's sizes for the rrs and traversal kernels reading probabilities (no descriptor)
+# the row descriptor's sizes for the shared kernels reading probabilities (no descriptor)
 _NO_DESCRIPTOR = dict(CHUNK=1, BLOCK_CHUNKS=1, NCH_P2=1, CAND=1, NUCLEUS=1, GROUP=1, SEARCH_BLOCK=1, NPIV=1)
 
 
