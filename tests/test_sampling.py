@@ -306,15 +306,18 @@ def _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed):
     L=st.sampled_from([4, 8, 32]),
     chunks=st.integers(14, 40),
     spread=st.sampled_from([1, 3, 1000]),
+    finite=st.integers(0, 25),
     seed=st.integers(0, 2**16),
 )
-def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chunks, spread, seed):
+def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chunks, spread, finite, seed):
     from specsampler.processing import _ordered_prefix_by_chunks
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(-spread, spread + 1, (5, chunks * L), generator=g).float()
     scores[0, : L * 3] = -float("inf")  # masked tokens
-    scores[1] = 0.0  # one big tie: the chunk search cannot decide, the fallback must
+    scores[1] = 0.0  # one big tie: every chunk reaches the bound
+    allowed = torch.randperm(chunks * L, generator=g)[:finite]
+    scores[2] = scores[2].where(torch.zeros(chunks * L, dtype=torch.bool).index_fill_(0, allowed, True), -float("inf"))
     vals, ids = _ordered_prefix_by_chunks(scores, n, L)
     for b in range(5):
         expected = sorted(range(scores.shape[1]), key=lambda i: (-float(scores[b, i]), i))[:n]

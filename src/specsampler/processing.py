@@ -10,8 +10,8 @@ only their candidate tokens (in id order), the others are dense. Nothing sorts t
 vocabulary:
 
 - top-k: the k largest logits, found among the chunks of the row with the largest maxima
-  (a pass computing chunk maxima, a top-k over them, then the few tokens of those chunks at
-  or above the (k+1)-th largest maximum, sorted);
+  (a pass computing chunk maxima; a bound, the k-th largest maximum of about 2k groups of
+  chunks; the few tokens at or above it in the chunks reaching it, sorted);
 - top-p alone: a token that alone reaches p is the nucleus. Rows of up to 65536 tokens are
   otherwise counted whole: the first digit of a radix select on the float bit patterns (a
   histogram of mass at 64 bins per octave) finds the bin where the nucleus ends, and the
@@ -257,40 +257,45 @@ def _ordered_prefix_of_rows(scores: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return vals, ids.gather(1, perm2)
 
 
-def _ordered_prefix_above(scores: Tensor, floor: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """:func:`ordered_prefix` of rows without NaN that hold at least ``n`` scores >= ``floor``
-    ``[R, 1]``: those scores, gathered in position order, stably sorted."""
-    R, C = scores.shape
-    flat, b, col = _positions("ge", scores, floor)
-    at, pos = _by_row(b, R, col)
-    vals = torch.full((pos.numel(),), float("-inf"), device=scores.device)  # padding sorts last
-    vals = vals.scatter_(0, at, scores.reshape(-1).index_select(0, flat)).view(pos.shape)
-    vals, order = vals.sort(dim=-1, descending=True, stable=True)
-    return vals[:, :n], pos.gather(1, order[:, :n])
+def _ordered_prefix_of_entries(b: Tensor, r: int, vals: Tensor, ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` of rows given by their entries (``b`` int64 ``[m]``, the row of
+    each, non-decreasing; ``vals`` float32 and ``ids`` int64 ``[m]``, ids increasing within a
+    row), every row holding at least ``n`` of them: laid out by row, stably sorted."""
+    at, ids = _by_row(b, r, ids)
+    laid = torch.full((ids.numel(),), float("-inf"), device=vals.device)  # padding sorts last
+    laid = laid.scatter_(0, at, vals).view(ids.shape)
+    laid, order = laid.sort(dim=-1, descending=True, stable=True)
+    return laid[:, :n], ids.gather(1, order[:, :n])
 
 
 def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`ordered_prefix` among the n + 1 chunks of length L with the largest maxima.
+    """:func:`ordered_prefix` among the chunks of length L whose maxima reach a bound.
 
-    Exact when the (n+1)-th largest candidate exceeds the largest maximum of the other
-    chunks (every token outside is then smaller); other rows fall back to a whole-row top-k.
+    The chunks form m >= 2n groups (chunk j in group j mod m, m dividing their number); the
+    bound is the n-th largest group maximum. The n groups with the largest maxima hold n
+    tokens at or above it, so the first n tokens, and any tied with the n-th, are at or above
+    it, in the chunks whose maxima reach it: exact, without a top-k over the chunk maxima.
+    Rows with NaN, or with fewer than n finite scores, fall back to a whole-row top-k.
     """
     R, V = scores.shape
     chunks = scores.view(R, V // L, L)
-    best = torch.topk(chunks.amax(-1) if chunk_max is None else chunk_max, n + 2, dim=-1)
-    picked = best.indices[:, : n + 1].sort(-1).values  # in id order, so that ties go to the lower id
-    whole = (picked + torch.arange(0, R * (V // L), V // L, device=scores.device)[:, None]).view(-1)
-    cand = chunks.reshape(-1, L).index_select(0, whole).view(R, -1)  # whole chunks: faster than a gather
-    if bool(best.values.isnan().any()):  # a picked chunk holds NaN (its maximum is NaN)
-        vals, pos = _ordered_prefix_of_rows(cand, n + 1)
-    else:  # the candidates of at least the (n+1)-th largest maximum: the picked chunks' maxima and a few more
-        vals, pos = _ordered_prefix_above(cand, best.values[:, n : n + 1], n + 1)
-    ids = picked.gather(1, pos // L) * L + pos % L
-    exact = vals[:, n] > best.values[:, n + 1]
-    vals, ids = vals[:, :n], ids[:, :n]
-    if not bool(exact.all()):
-        rows = (~exact).nonzero()[:, 0]
-        vals, ids = vals.clone(), ids.clone()
+    chunk_max = chunks.amax(-1) if chunk_max is None else chunk_max
+    S = chunk_max.shape[1]
+    g = max(d for d in range(1, max(1, S // (2 * n)) + 1) if S % d == 0)  # chunks per group
+    top = torch.topk(chunk_max.view(R, g, S // g).amax(1), n, dim=-1, sorted=False).values
+    bound = top.amin(-1, keepdim=True)  # NaN in a row with NaN: nothing reaches it, the row falls back
+    bound = bound.clamp(min=torch.finfo(torch.float32).min)  # finite: the -inf tokens stay out
+    flat, b, col = _positions("ge", chunk_max, bound)
+    cand = chunks.reshape(-1, L).index_select(0, flat)  # whole chunks: faster than a gather
+    tok, at, off = _positions("ge", cand, bound.index_select(0, b))
+    b = b.index_select(0, at)
+    bad = torch.bincount(b, minlength=R) < n
+    if bool(bad.all()):
+        return _ordered_prefix_of_rows(scores, n)
+    vals, ids = _ordered_prefix_of_entries(b, R, cand.view(-1).index_select(0, tok),
+                                           col.index_select(0, at) * L + off, n)
+    if bool(bad.any()):
+        rows = bad.nonzero()[:, 0]
         vals[rows], ids[rows] = _ordered_prefix_of_rows(scores[rows], n)
     return vals, ids
 
