@@ -13,6 +13,23 @@ def test_bench_writes_records_with_the_documented_fields(tmp_path):
         for key in ("device", "dtype", "shape", "median_us", "bytes_read", "gbps", "floor_ratio", "baselines", "met"):
             assert key in r, key
         assert r["median_us"] > 0 and r["floor_ratio"] > 0 and all(v > 0 for v in r["baselines"].values())
+        assert r["steal_ms"] is None or r["steal_ms"] >= 0
+
+
+def test_steal_is_read_from_proc_stat(monkeypatch):
+    import builtins
+    import io
+    import os
+
+    from specsampler import bench
+
+    stat = "cpu  6899457 0 529983 4828731 22352 0 3416 51141 0 0\ncpu0 1 2 3\n"
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(stat) if path == "/proc/stat"
+                        else real_open(path, *a, **k))
+    assert bench.steal_ms() == 51141 * 1000 / os.sysconf("SC_CLK_TCK")
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO("cpu 1 2\n"))
+    assert bench.steal_ms() is None
 
 
 def test_baselines_compute_what_they_stand_for():

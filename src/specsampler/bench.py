@@ -56,6 +56,17 @@ class Case:
             t.sum()
 
 
+def steal_ms() -> float | None:
+    """CPU time the hypervisor gave to others while this machine's CPUs wanted it (all CPUs,
+    ms since boot; the "steal" column of /proc/stat), or None where it is not reported."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -65,6 +76,7 @@ def measure(case: Case, device: torch.device, reps: int, warmup: int = 2) -> dic
     """Median times of the op, its baselines and the floor, interleaved; the record for the JSON."""
     variants = {"op": case.run, "floor": case.read, **case.baselines}
     times: dict[str, list[float]] = {name: [] for name in variants}
+    stolen = steal_ms()
     for rep in range(warmup + reps):
         for name, fn in variants.items():
             _sync(device)
@@ -74,6 +86,8 @@ def measure(case: Case, device: torch.device, reps: int, warmup: int = 2) -> dic
             if rep >= warmup:
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(ts) for name, ts in times.items()}
+    if stolen is not None:
+        stolen = round(steal_ms() - stolen, 1)
     record = {
         "op": case.op,
         "device": device_name(device),
@@ -87,6 +101,7 @@ def measure(case: Case, device: torch.device, reps: int, warmup: int = 2) -> dic
         "baselines": {name: round(median[name] / median["op"], 1) for name in case.baselines},
         "baseline_us": {name: round(median[name] * 1e6, 1) for name in case.baselines},
         "reps": reps,
+        "steal_ms": stolen,  # CPU time taken by the hypervisor during the case: a noisy machine when large
     }
     if case.targets:
         record["targets"] = case.targets
@@ -231,7 +246,7 @@ def run(device: str = "cpu", reps: int = 15, quick: bool = False, out: str | Non
     """Run every case; print a table; write the JSON records (``out``) and a PNG (``plot``)."""
     dev = torch.device(device)
     records = []
-    head = f"{'op':<26}{'shape':<44}{'median ms':>10}{'GB/s':>8}{'floor x':>9}  baselines (speedup)"
+    head = f"{'op':<26}{'shape':<44}{'median ms':>10}{'GB/s':>8}{'floor x':>9}{'steal ms':>9}  baselines (speedup)"
     print(device_name(dev) + "\n" + head + "\n" + "-" * (len(head) + 12))
     for case in cases(dev, quick):
         rec = measure(case, dev, reps)
@@ -240,7 +255,7 @@ def run(device: str = "cpu", reps: int = 15, quick: bool = False, out: str | Non
         base = ", ".join(f"{k} {v}x" for k, v in rec["baselines"].items())
         met = "" if "met" not in rec else ("  target met" if rec["met"] else "  target MISSED")
         print(f"{rec['op']:<26}{shape:<44}{rec['median_us'] / 1e3:>10.2f}{rec['gbps']:>8.1f}"
-              f"{rec['floor_ratio']:>9.1f}  {base}{met}")
+              f"{rec['floor_ratio']:>9.1f}{_fmt(rec['steal_ms']):>9}  {base}{met}")
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
@@ -249,6 +264,10 @@ def run(device: str = "cpu", reps: int = 15, quick: bool = False, out: str | Non
     if plot:
         plot_speedups(records, plot)
     return records
+
+
+def _fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.0f}"
 
 
 def plot_speedups(records: list[dict], path: str) -> None:
