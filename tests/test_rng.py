@@ -126,6 +126,56 @@ def test_a_request_draws_the_same_tokens_whatever_the_batch():
     assert torch.equal(neigh[7], full[7])
 
 
+MIXED = [50, 2000, 0, 7, 300, 0] * 4, [0.95, 0.9, 0.8, 1.0, 1.0, 0.9] * 4  # per request: 24 requests
+
+
+@pytest.mark.parametrize("V, top_k, top_p", [(128256, [0] * 6, [1.0] * 6), (128256, [0] * 6, [0.9] * 6),
+                                             (128256, *MIXED), (50257, [0] * 20, [1.0] * 20)])
+def test_a_lone_request_gets_the_same_bits_as_in_a_batch_at_full_vocabulary(V, top_k, top_p):
+    """Row sums must not see the batch (ATen splits a lone long row's sum across threads, and
+    rounds a row padded with zeros to the widest row of the batch another way), nor must
+    exponentials (ATen rounds them one way in a vectorised loop's body, another in its tail)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split needs two
+    try:
+        g = torch.Generator().manual_seed(4)
+        B = len(top_k)
+        logits = torch.randn(B, V, generator=g) * 3
+        params = SP(temperature=torch.full((B,), 0.8), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p),
+                    min_p=torch.zeros(B))
+        seed = torch.arange(B) + 11
+        probs = ss.logits_to_probs(logits, params)
+        batch = ss.sample_from_logits(logits, params, ss.Philox(seed))
+        for b in range(B):
+            one = _take(params, slice(b, b + 1))
+            assert torch.equal(ss.logits_to_probs(logits[b : b + 1], one), probs[b : b + 1])
+            alone = ss.sample_from_logits(logits[b : b + 1], one, ss.Philox(seed[b : b + 1]))
+            assert torch.equal(alone.logprobs, batch.logprobs[b : b + 1])
+            assert torch.equal(alone.tokens, batch.tokens[b : b + 1])
+        # the block rule's S_i: one row per request and position
+        p = torch.softmax(torch.randn(B, 2, V, generator=g), -1)
+        q = torch.softmax(torch.randn(B, 1, V, generator=g), -1)
+        x = torch.randint(0, V, (B, 1), generator=g)
+        expected = ss.verify_chain(p, x, q, method="block", rng=ss.Philox(seed)).expected_accepted
+        for b in range(B):
+            alone = ss.verify_chain(p[b : b + 1], x[b : b + 1], q[b : b + 1], method="block",
+                                    rng=ss.Philox(seed[b : b + 1])).expected_accepted
+            assert torch.equal(alone, expected[b : b + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_values_computed_in_the_vector_body_do_not_depend_on_their_place():
+    from specsampler.processing import in_vector_body
+
+    t = torch.rand(3, 700, generator=torch.Generator().manual_seed(2)) * 60 - 50
+    whole = in_vector_body(torch.exp2, t)
+    for i in range(3):
+        for j in range(0, 700, 7):
+            assert torch.equal(in_vector_body(torch.exp2, t[i, j:]), whole[i, j:])
+    assert torch.equal(in_vector_body(torch.exp2, t[:, :0]), t[:, :0])
+
+
 def test_sample_is_invariant_to_the_batch_and_moves_with_the_offset():
     probs = torch.softmax(torch.randn(32, 2, 50), -1)
     seed = torch.arange(32) * 1000

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .kernels import use_triton
 from .params import SamplingParams
-from .processing import Processed, process, sample_by_inversion
+from .processing import Processed, process, row_sum, sample_by_inversion
 from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from .sampling import logit_inputs, logit_rows
 from .validation import (
@@ -159,7 +159,7 @@ def _block_terms(c: _Chain, target: Processed, p_x: Tensor) -> tuple[Tensor, Ten
         a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
     p = target.dense().view(B, K + 1, c.V)
     w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
-    s = w.sum(-1)
+    s = row_sum(w)
     pos = torch.arange(K + 1, device=dev)
     h = torch.nn.functional.pad(torch.where(s > 0, s / (s + 1 - a[:, :K]), 0.0), (0, 1))
     h = torch.where(pos == c.num_drafts[:, None], a, torch.where(pos > c.num_drafts[:, None], 0.0, h))

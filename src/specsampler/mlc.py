@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .kernels import use_triton
-from .processing import ordered_prefix
+from .processing import ordered_prefix, row_sum
 from .rng import Philox
 from .sampling import min_p_renorm, sample, top_k_renorm, top_p_renorm
 from .tree import TokenTree
@@ -229,7 +229,7 @@ def batch_spec_verify(
             if rejected.numel():
                 rows = par[rejected]
                 residual = (model_probs[rows] - draft_probs[chi[rejected]].float()).clamp_min(0.0)
-                mass = residual.sum(dim=1)
+                mass = row_sum(residual)
                 degenerate = mass < _DEGENERATE_SUM
                 write = ~degenerate
                 model_probs[rows[write]] = residual[write] / mass[write, None]

@@ -51,6 +51,8 @@ _EST_BINS = 256  # over the 32 octaves below the most likely token
 _TINY = torch.finfo(torch.float32).tiny
 _LOG2E = math.log2(math.e)
 _INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
+_SUM_BLOCK = 256  # values per block of the row sums (row_sum)
+_VECTOR_BODY = 64  # lengths that are whole iterations of ATen's vectorised CPU loops (in_vector_body)
 
 
 class _Scratch(threading.local):
@@ -111,7 +113,7 @@ class Part:
             pad = n - probs.shape[1]
             probs = torch.nn.functional.pad(probs, (0, pad))
             ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
-        return torch.where(probs > 0, ids, -1), probs.log()
+        return torch.where(probs > 0, ids, -1), in_vector_body(torch.log, probs)
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
     """
     R, C = weights.shape
     if C < 4 * _INVERSION_CHUNK or C % _INVERSION_CHUNK or not weights.is_contiguous():
-        return _invert(weights.cumsum(-1), u[:, None] * weights.sum(-1, keepdim=True).clamp(min=0))[:, 0]
+        return _invert(weights.cumsum(-1), u[:, None] * row_sum(weights, keepdim=True).clamp(min=0))[:, 0]
     chunks = weights.view(R, C // _INVERSION_CHUNK, _INVERSION_CHUNK)
     csum = chunks.sum(-1).cumsum(-1)
     t = u[:, None] * csum[:, -1:]
@@ -373,34 +375,81 @@ def _within(outer: Tensor | None, inner: Tensor | None) -> Tensor | None:
 
 
 def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, shared: bool = False,
-             out: Tensor | None = None) -> Tensor:
+             scratch: str | None = None) -> Tensor:
     """Unnormalised probabilities: ``exp((x - top) / T)`` for logits, else x (negative or NaN
-    probabilities count as 0); a new tensor, or ``out``.
+    probabilities count as 0); a new tensor, or in the named scratch buffer.
 
     From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32):
-    one multiply-add and a base-2 exponential, which costs half of ``exp`` on CPU.
+    one multiply-add and a base-2 exponential, which costs half of ``exp`` on CPU. The
+    exponential runs over whole iterations of ATen's vectorised loop (the values rounded up
+    to a multiple of 64, see :func:`in_vector_body`), so that a row's values round the same
+    whatever rows come before it.
     top: float32 ``[r, 1]``, the row maximum; a row whose maximum is not finite has no mass.
     temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply-add,
     faster, with the same arithmetic).
     """
+    n = vals.numel()
+    whole = -(-n // _VECTOR_BODY) * _VECTOR_BODY
+    buf = torch.empty(whole, device=vals.device) if scratch is None else SCRATCH.get(scratch, (whole,), torch.float32,
+                                                                                     vals.device)
+    w = buf[:n].view(vals.shape)
     if not logits:
-        return torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=out).clamp_(min=0.0)
+        return torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
     finite = torch.isfinite(top)
     top = torch.where(finite, top, 0.0)
     c = torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
     if shared and c.numel():
-        w = torch.add(-top * c, vals, alpha=float(c[0]), out=out)
+        torch.add(-top * c, vals, alpha=float(c[0]), out=w)
     else:
-        w = torch.addcmul(-top * c, vals, c, out=out)
-    w.exp2_()
+        torch.addcmul(-top * c, vals, c, out=w)
+    buf.exp2_()  # with the few values past n: whatever they are, they are not read
     if not bool(finite.all()):
         w.masked_fill_(~finite, 0.0)
     return w
 
 
+def row_sum(t: Tensor, keepdim: bool = False) -> Tensor:
+    """Sums over the last dim of ``t`` ``[..., C]``, each depending on its row's values alone.
+
+    A request's results must not depend on its neighbours (DESIGN.md), but ``t.sum(-1)`` does:
+    ATen splits the sum of a lone long row across threads, and rounds a row padded with zeros
+    (to the longest row of a batch) another way than the row alone. So: sums of 256
+    consecutive values (the last block padded with zeros), then of 256 of those, and so on,
+    each one ATen computation of fixed length (never split), zeros at the end adding nothing.
+    """
+    W = _SUM_BLOCK
+    while True:  # at least once: a new tensor, even for one column
+        C = t.shape[-1]
+        full = C - C % W
+        sums = t[..., :full].unflatten(-1, (full // W, W)).sum(-1)
+        if full < C or C == 0:
+            tail = torch.nn.functional.pad(t[..., full:], (0, W - C + full))
+            sums = torch.cat([sums, tail.sum(-1, keepdim=True)], -1)
+        t = sums
+        if t.shape[-1] == 1:
+            return t if keepdim else t[..., 0]
+
+
+def in_vector_body(fn, t: Tensor) -> Tensor:
+    """``fn(t)`` for an elementwise ``fn`` with exponentials or logarithms, on CPU computed over
+    ``t`` padded (last dim) to a multiple of 64 values, contiguous, then cut back.
+
+    ATen's CPU loops round these (and fused multiply-adds) one way in their vectorised body
+    and another in the scalar tail of a loop, and where a value falls depends on the batch
+    when its place in the tensor does: a row's candidates padded to the widest row's, a
+    request's log-probability among the others'. Padded, every value is in the body. (A loop
+    over 32768 values or more is split across threads; with two, the split falls on the
+    vector grid too; with more it may not, and a few values at a split can round otherwise.)
+    """
+    if t.device.type != "cpu":
+        return fn(t)
+    C = t.shape[-1]
+    return fn(torch.nn.functional.pad(t, (0, -C % _VECTOR_BODY)))[..., :C]
+
+
 def _normalise_(w: Tensor) -> Tensor:
     """Divide each row by its sum, in place (rows without mass stay 0)."""
-    return w.div_(w.sum(-1, keepdim=True).clamp_(min=_TINY))
+    return w.div_(row_sum(w, keepdim=True).clamp_(min=_TINY))
 
 
 def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
@@ -417,15 +466,19 @@ def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor
 
 
 def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part:
+    """The candidates ``ids`` with their kept ``weights`` (in (logit desc, id asc) order: the kept
+    ones first), normalised in that order, where a row's sum does not see how many candidates
+    the widest row of the batch took, then put in id order."""
     ids, perm = ids.sort(dim=-1)
-    return Part(rows, ids, _normalise_(weights.gather(1, perm)))
+    return Part(rows, ids, _normalise_(weights).gather(1, perm))
 
 
 def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
     keep_n = torch.where(greedy, 1, rp.top_k)
     vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
-    w = _weights(vals, vals[:, :1], torch.where(greedy, 1.0, rp.temperature), logits)
+    t = torch.where(greedy, 1.0, rp.temperature)
+    w = in_vector_body(lambda v: _weights(v, v[:, :1], t, logits), vals)
     w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
     return _part_in_id_order(rows, ids, _cut_candidates(w, rp))
 
@@ -438,7 +491,7 @@ def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
     r, V = x.shape
     if V <= _ORDER_WHOLE:  # the whole row is the candidate set
         vals, ids = ordered_prefix(x, V)
-        w = _weights(vals, vals[:, :1], rp.temperature, logits)
+        w = in_vector_body(lambda v: _weights(v, v[:, :1], rp.temperature, logits), vals)
         return [_part_in_id_order(rows, ids, _cut_candidates(w, rp))]
     if r <= _BLOCK:
         return _nucleus_block(rows, x, rp, logits)
@@ -460,9 +513,8 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
     top, best = _max(x, chunk_max)
     # unnormalised weights (the most likely token's about 1), in a scratch buffer; z: each row's mass
-    w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None,
-                 out=SCRATCH.get("weights", (r, V), torch.float32, x.device))
-    z = w.sum(-1)
+    w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None, scratch="weights")
+    z = row_sum(w)
     target = rp.top_p * z
     parts = []
     w_max = w.gather(1, best[:, None])
@@ -638,7 +690,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     if bool(compact.any()):
         flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
         _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
-        compact &= cand.sum(-1) >= target  # rows short of it drop out
+        compact &= row_sum(cand) >= target  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)

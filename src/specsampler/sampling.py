@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .kernels import use_triton
 from .params import RowParams, SamplingParams
-from .processing import process, sample_by_inversion
+from .processing import in_vector_body, process, sample_by_inversion
 from .rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from .validation import (
     check_logits_values,
@@ -242,7 +242,7 @@ def sample_from_logits(
     proc = process(x, rp, logits=True, min_candidates=num_logprobs)
     u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
     tokens = proc.sample(u)
-    logprobs = proc.prob(tokens).log().reshape(lead)
+    logprobs = in_vector_body(torch.log, proc.prob(tokens)).reshape(lead)
     top_ids = top_lp = None
     if num_logprobs:
         top_ids, top_lp = proc.top(num_logprobs)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .kernels import use_triton
 from .params import RowParams, SamplingParams
-from .processing import SCRATCH, Processed, process, sample_by_inversion
+from .processing import SCRATCH, Processed, process, row_sum, sample_by_inversion
 from .rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from .sampling import logit_inputs
 from .tree import TokenTree
@@ -255,11 +255,11 @@ def _walk_rrs(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Tens
             chosen[trying[ok]] = k[ok]
             rej, q = trying[~ok], q[~ok]
             residual = (r[rej] - q).clamp_(min=0.0)
-            mass = residual.sum(-1, keepdim=True)
+            mass = row_sum(residual, keepdim=True)
             r[rej] = torch.where(mass > 0, residual / mass.clamp(min=1e-30), r[rej])
             if q_shared is not None:
                 q = q.scatter(1, xk[~ok], 0.0)
-                q_shared[rej] = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+                q_shared[rej] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
             kid[rej] = t.next_sibling[walking[rej], kid[rej]]
             trying = rej[kid[rej] >= 0]
         moved = chosen >= 0
@@ -337,12 +337,12 @@ def _walk_traversal(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor
         leaf, j = stack[b, top[b]], top[b] - 1
         q = ms[b, j] if wo else c.q[b, leaf]
         w = (a[b, j, None] * mb[b, j] - q).clamp_(min=0.0)
-        mass = w.sum(-1)
+        mass = row_sum(w)
         mb[b, j] = torch.where(mass[:, None] > 0, w / mass.clamp(min=1e-30)[:, None], mb[b, j])
         a[b, j] = torch.where(mass > 0, mass / (mass + 1 - a[b, j]), 0.0)
         if wo:
             q = q.scatter(1, c.x[b, leaf][:, None], 0.0)
-            ms[b, j] = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+            ms[b, j] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
         top[b] = j
         sibling = t.next_sibling[b, leaf]
         more = sibling >= 0
