@@ -165,6 +165,27 @@ def test_a_lone_request_gets_the_same_bits_as_in_a_batch_at_full_vocabulary(V, t
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("C", [0, 1, 255, 256, 1000, 40000, 128257])
+def test_row_sums_do_not_see_the_batch(C):
+    from specsampler.processing import padded_row_sum, row_sum
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # ATen splits a lone row's sum across two threads or more
+    try:
+        w = torch.rand(4, C, generator=torch.Generator().manual_seed(C)) ** 4
+        rows, padded = row_sum(w), padded_row_sum(w)
+        torch.testing.assert_close(rows.double(), w.double().sum(-1), rtol=1e-6, atol=0)
+        torch.testing.assert_close(padded.double(), w.double().sum(-1), rtol=1e-6, atol=0)
+        for i in range(4):
+            assert torch.equal(row_sum(w[i]), rows[i])
+            assert torch.equal(row_sum(w[i : i + 1], keepdim=True), rows[i, None, None])
+            wider = torch.nn.functional.pad(w[i : i + 1], (0, 300))  # as a batch's wider row pads it
+            assert torch.equal(padded_row_sum(wider), padded[i : i + 1])
+            assert torch.equal(padded_row_sum(torch.cat([wider, torch.rand(2, C + 300)]))[:1], padded[i : i + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_values_computed_in_the_vector_body_do_not_depend_on_their_place():
     from specsampler.processing import in_vector_body
 

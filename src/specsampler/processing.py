@@ -51,7 +51,7 @@ _EST_BINS = 256  # over the 32 octaves below the most likely token
 _TINY = torch.finfo(torch.float32).tiny
 _LOG2E = math.log2(math.e)
 _INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
-_SUM_BLOCK = 256  # values per block of the row sums (row_sum)
+_SUM_BLOCK = 256  # values per block of the sums of padded rows (padded_row_sum)
 _VECTOR_BODY = 64  # lengths that are whole iterations of ATen's vectorised CPU loops (in_vector_body)
 
 
@@ -193,7 +193,7 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
     """
     R, C = weights.shape
     if C < 4 * _INVERSION_CHUNK or C % _INVERSION_CHUNK or not weights.is_contiguous():
-        return _invert(weights.cumsum(-1), u[:, None] * row_sum(weights, keepdim=True).clamp(min=0))[:, 0]
+        return _invert(weights.cumsum(-1), u[:, None] * padded_row_sum(weights, keepdim=True).clamp(min=0))[:, 0]
     chunks = weights.view(R, C // _INVERSION_CHUNK, _INVERSION_CHUNK)
     csum = chunks.sum(-1).cumsum(-1)
     t = u[:, None] * csum[:, -1:]
@@ -409,25 +409,36 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
 
 
 def row_sum(t: Tensor, keepdim: bool = False) -> Tensor:
-    """Sums over the last dim of ``t`` ``[..., C]``, each depending on its row's values alone.
+    """Sums over the last dim of ``t`` ``[..., C]`` for rows of a length of their own (a
+    vocabulary, not a batch's widest row: see :func:`padded_row_sum`), each as in any batch.
 
-    A request's results must not depend on its neighbours (DESIGN.md), but ``t.sum(-1)`` does:
-    ATen splits the sum of a lone long row across threads, and rounds a row padded with zeros
-    (to the longest row of a batch) another way than the row alone. So: sums of 256
+    A request's results must not depend on its neighbours (DESIGN.md), but ATen splits the
+    sum of a lone long row across threads, which rounds otherwise than a row among others
+    (summed by one thread): a lone row is summed as one of two.
+    """
+    if t.device.type == "cpu" and t.dim() and math.prod(t.shape[:-1]) == 1:
+        s = t.reshape(1, -1).expand(2, -1).sum(-1)[:1]
+        return s.view(*t.shape[:-1], 1) if keepdim else s.view(t.shape[:-1])
+    return t.sum(-1, keepdim=keepdim)
+
+
+def padded_row_sum(t: Tensor, keepdim: bool = False) -> Tensor:
+    """Sums over the last dim of ``t`` ``[..., C]`` that zeros at the end of a row do not change
+    (rows padded to the widest of a batch, whose width depends on the others).
+
+    ATen's sum of a row associates its values by the row's length. Here: sums of 256
     consecutive values (the last block padded with zeros), then of 256 of those, and so on,
-    each one ATen computation of fixed length (never split), zeros at the end adding nothing.
+    each an ATen sum of fixed length (never split across threads); zeros add nothing.
     """
     W = _SUM_BLOCK
-    while True:  # at least once: a new tensor, even for one column
-        C = t.shape[-1]
+    while (C := t.shape[-1]) > W:
         full = C - C % W
         sums = t[..., :full].unflatten(-1, (full // W, W)).sum(-1)
-        if full < C or C == 0:
+        if full < C:
             tail = torch.nn.functional.pad(t[..., full:], (0, W - C + full))
             sums = torch.cat([sums, tail.sum(-1, keepdim=True)], -1)
         t = sums
-        if t.shape[-1] == 1:
-            return t if keepdim else t[..., 0]
+    return torch.nn.functional.pad(t, (0, W - C)).sum(-1, keepdim=keepdim)  # a new tensor, even of one column
 
 
 def in_vector_body(fn, t: Tensor) -> Tensor:
@@ -449,7 +460,7 @@ def in_vector_body(fn, t: Tensor) -> Tensor:
 
 def _normalise_(w: Tensor) -> Tensor:
     """Divide each row by its sum, in place (rows without mass stay 0)."""
-    return w.div_(row_sum(w, keepdim=True).clamp_(min=_TINY))
+    return w.div_(padded_row_sum(w, keepdim=True).clamp_(min=_TINY))
 
 
 def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
@@ -690,7 +701,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     if bool(compact.any()):
         flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
         _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
-        compact &= row_sum(cand) >= target  # rows short of it drop out
+        compact &= padded_row_sum(cand) >= target  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)
