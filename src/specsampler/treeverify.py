@@ -200,10 +200,11 @@ class _ChildIndex:
         self.keys = key.gather(1, self.order)
         self.V = c.V
 
-    def find(self, b: Tensor, v: Tensor, y: Tensor) -> Tensor:
-        """For requests ``b`` at nodes ``v``: the first child carrying token ``y``, or -1."""
-        hit, first = (self.keys[b] == (v * self.V + y)[:, None]).max(1)
-        return torch.where(hit, self.order[b, first], -1)
+    def find(self, at: Tensor | slice, v: Tensor, y: Tensor) -> Tensor:
+        """For requests ``at`` (indices, or a slice) at nodes ``v``: the first child carrying token
+        ``y``, or -1."""
+        hit, first = (self.keys[at] == (v * self.V + y)[:, None]).max(1)
+        return torch.where(hit, self.order[at].gather(1, first[:, None])[:, 0], -1)
 
 
 def _walk_start(c: _Tree) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -223,11 +224,12 @@ def _walk_draws(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Te
     children = _ChildIndex(c)
     path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
-        v = path[walking, d]
-        y = rows.argmax(walking, v) if u is None else rows.at(walking, v).sample(u[walking, v])
-        kid = children.find(walking, v, y)
+        at = slice(None) if walking.numel() == B else walking  # everyone: views, not gathers
+        v = path[at, d]
+        y = rows.argmax(walking, v) if u is None else rows.at(walking, v).sample(u[at].gather(1, v[:, None])[:, 0])
+        kid = children.find(at, v, y)
         # the step's outcome for everyone walking; those who move overwrite n and y next step
-        path[walking, d + 1], n[walking], y_out[walking] = kid, d, y
+        path[at, d + 1], n[at], y_out[at] = kid, d, y
         walking = walking[kid >= 0]
         if walking.numel() == 0:
             break
