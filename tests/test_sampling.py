@@ -325,6 +325,14 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         assert vals[b].tolist() == scores[b, expected].tolist()
 
 
+@pytest.mark.parametrize("V", [7, 5000, 128256])
+def test_an_empty_ordered_prefix(V):
+    from specsampler.processing import ordered_prefix
+
+    vals, ids = ordered_prefix(torch.randn(3, V), 0)
+    assert vals.shape == ids.shape == (3, 0) and ids.dtype == torch.int64
+
+
 def test_top_candidates_from_chunk_maxima_put_nan_first():  # as torch.topk does
     from specsampler.processing import _ordered_prefix_by_chunks
 

@@ -233,6 +233,8 @@ def ordered_prefix(scores: Tensor, n: int, chunk_max: Tensor | None = None) -> t
     n = min(n, V)
     if n == V:
         return torch.sort(scores, dim=-1, descending=True, stable=True)
+    if n == 0:
+        return scores[:, :0].clone(), torch.zeros(R, 0, dtype=torch.int64, device=scores.device)
     L = _chunk_len(V)
     if L and 4 * (n + 2) <= V // L and scores.is_contiguous():
         return _ordered_prefix_by_chunks(scores, n, L, chunk_max)
