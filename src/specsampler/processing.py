@@ -28,6 +28,7 @@ cumulative probability exceeds ``u * total`` (see :mod:`specsampler.rng`).
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -272,6 +273,13 @@ def _ordered_prefix_of_entries(b: Tensor, r: int, vals: Tensor, ids: Tensor, n: 
     return laid[:, :n], ids.gather(1, order[:, :n])
 
 
+@functools.cache
+def _group_size(S: int, n: int) -> int:
+    """Chunks per group in :func:`_ordered_prefix_by_chunks`: the largest divisor of S leaving at
+    least 2n groups (1 if none)."""
+    return max(d for d in range(1, max(1, S // (2 * n)) + 1) if S % d == 0)
+
+
 def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`ordered_prefix` among the chunks of length L whose maxima reach a bound.
 
@@ -285,7 +293,7 @@ def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor 
     chunks = scores.view(R, V // L, L)
     chunk_max = chunks.amax(-1) if chunk_max is None else chunk_max
     S = chunk_max.shape[1]
-    g = max(d for d in range(1, max(1, S // (2 * n)) + 1) if S % d == 0)  # chunks per group
+    g = _group_size(S, n)
     top = torch.topk(chunk_max.view(R, g, S // g).amax(1), n, dim=-1, sorted=False).values
     bound = top.amin(-1, keepdim=True)  # NaN in a row with NaN: nothing reaches it, the row falls back
     bound = bound.clamp(min=torch.finfo(torch.float32).min)  # finite: the -inf tokens stay out
@@ -294,11 +302,12 @@ def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor 
     tok, at, off = _positions("ge", cand, bound.index_select(0, b))
     b = b.index_select(0, at)
     bad = torch.bincount(b, minlength=R) < n
-    if bool(bad.all()):
+    n_bad = int(bad.sum())
+    if n_bad == R:
         return _ordered_prefix_of_rows(scores, n)
     vals, ids = _ordered_prefix_of_entries(b, R, cand.view(-1).index_select(0, tok),
                                            col.index_select(0, at) * L + off, n)
-    if bool(bad.any()):
+    if n_bad:
         rows = bad.nonzero()[:, 0]
         vals[rows], ids[rows] = _ordered_prefix_of_rows(scores[rows], n)
     return vals, ids
@@ -478,6 +487,12 @@ def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor
     return torch.where(keep, w, 0.0)
 
 
+def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool) -> Tensor:
+    """:func:`_weights` of candidates ``[r, C]`` in (logit desc, id asc) order (the first the
+    row's top), C padded to whole vector iterations: C is the widest row's of the batch."""
+    return in_vector_body(lambda v: _weights(v, v[:, :1], temperature, logits), vals)
+
+
 def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part:
     """The candidates ``ids`` with their kept ``weights`` (in (logit desc, id asc) order: the kept
     ones first), normalised in that order, where a row's sum does not see how many candidates
@@ -490,8 +505,7 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
     keep_n = torch.where(greedy, 1, rp.top_k)
     vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
-    t = torch.where(greedy, 1.0, rp.temperature)
-    w = in_vector_body(lambda v: _weights(v, v[:, :1], t, logits), vals)
+    w = _candidate_weights(vals, torch.where(greedy, 1.0, rp.temperature), logits)
     w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
     return _part_in_id_order(rows, ids, _cut_candidates(w, rp))
 
@@ -504,7 +518,7 @@ def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
     r, V = x.shape
     if V <= _ORDER_WHOLE:  # the whole row is the candidate set
         vals, ids = ordered_prefix(x, V)
-        w = in_vector_body(lambda v: _weights(v, v[:, :1], rp.temperature, logits), vals)
+        w = _candidate_weights(vals, rp.temperature, logits)
         return [_part_in_id_order(rows, ids, _cut_candidates(w, rp))]
     if r <= _BLOCK:
         return _nucleus_block(rows, x, rp, logits)
