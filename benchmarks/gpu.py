@@ -37,7 +37,7 @@ import torch
 
 import specsampler as ss
 from specsampler import bench
-from specsampler.kernels import use_triton
+from specsampler.kernels import triton_available, use_triton
 
 try:  # optional: the FlashInfer baselines
     import flashinfer
@@ -46,6 +46,12 @@ except Exception:  # noqa: BLE001 - any import failure means: no FlashInfer base
     flashinfer = fis = None
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
+BASELINES = True  # --no-baselines: time our kernels only
+STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), None without Triton
+if triton_available():
+    from specsampler.kernels.rows import STAGES as _STAGES
+
+    STAGES = _STAGES.value
 
 
 def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
@@ -110,9 +116,9 @@ def record(op: str, device: torch.device, shape: dict, logits: torch.Tensor, our
     rec = {"op": op, "device": bench.device_name(device), "dtype": str(logits.dtype).replace("torch.", ""),
            "shape": shape, "median_us": round(t * 1e6, 2), "floor_us": round(floor * 1e6, 2),
            "floor_ratio": round(t / floor, 3), "gbps": round(logits.numel() * logits.element_size() / t / 1e9, 1),
-           "timing": mode, "copy_rate_tbps": round(rate / 1e12, 3),
+           "timing": mode, "copy_rate_tbps": round(rate / 1e12, 3), "pipeline_stages": STAGES,
            "flashinfer": getattr(flashinfer, "__version__", None), "baselines": {}, "baseline_us": {}}
-    for name, fn in baselines.items():
+    for name, fn in baselines.items() if BASELINES else ():
         try:
             tb, _ = timed(fn, device, reps, inner)
         except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, not fatal
@@ -199,7 +205,28 @@ def tree_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
                    rate, reps, inner)]
 
 
+def compare(paths: list[str]) -> None:
+    """Print the median of each record of several result files side by side (e.g. one file per
+    ``SPECSAMPLER_PIPELINE_STAGES``), with each file's ratio to the first."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append({(r["op"], json.dumps(r["shape"], sort_keys=True)): r for r in json.load(f)})
+    labels = [f"stages={next(iter(run.values())).get('pipeline_stages', '?')}" if run else path
+              for path, run in zip(paths, runs)]
+    print(f"{'op':<26}{'shape':<60}" + "".join(f"{label:>22}" for label in labels))
+    for key, first in runs[0].items():
+        cells = []
+        for run in runs:
+            rec = run.get(key)
+            cells.append("-" if rec is None else
+                         f"{rec['median_us']:.1f} us {rec['median_us'] / first['median_us']:.2f}x")
+        shape_s = " ".join(f"{k}={v}" for k, v in first["shape"].items())
+        print(f"{key[0]:<26}{shape_s:<60}" + "".join(f"{c:>22}" for c in cells))
+
+
 def main(argv: list[str] | None = None) -> int:
+    global BASELINES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
@@ -207,14 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
     p.add_argument("--only", choices=("chain", "sampling", "tree"), action="append")
     p.add_argument("--out", help="write the JSON records here")
+    p.add_argument("--no-baselines", action="store_true", help="time the kernels only (tuning runs)")
+    p.add_argument("--compare", nargs="+", metavar="JSON", help="print these result files side by side, run nothing")
     args = p.parse_args(argv)
+    if args.compare:
+        compare(args.compare)
+        return 0
+    BASELINES = not args.no_baselines
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     gd = torch.Generator(device=device).manual_seed(1)
     rate = copy_rate(device, args.reps)
     print(f"{bench.device_name(device)}; copy rate {rate / 1e12:.2f} TB/s (read + write); "
           f"flashinfer {getattr(flashinfer, '__version__', 'not installed')}; "
-          f"backend {'triton' if use_triton(device) else 'torch'}")
+          f"backend {'triton' if use_triton(device) else 'torch'}; pipeline stages {STAGES}")
     print(f"{'op':<26}{'shape':<52}{'median us':>10}{'floor x':>8}  baselines (speedup)")
     records = []
     suites = {"chain": chain_records, "sampling": sampling_records, "tree": tree_records}

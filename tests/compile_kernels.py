@@ -6,7 +6,8 @@ not show that the kernels build for a GPU. This script calls each kernel launche
 with a driver that reports a CUDA target (compute capability ``--arch``, default 90 = H100/H200) and
 launches nothing: Triton specialises and compiles each kernel down to a cubin (ptxas ships with
 Triton) exactly as on a GPU, for every method and flag combination of the launchers, at the
-vocabulary sizes the benchmarks use. Prints a line per family and size; exits non-zero on the
+vocabulary sizes the benchmarks use. Prints a line per family and size (per kernel: registers, local
+memory = spills, shared memory, and the number of `cp.async` tile copies = pipelined passes); exits non-zero on the
 first failure. Slow (seconds to two minutes per kernel variant on two cores: ~130 variants), so
 CI compiles one family (``tests/test_kernels_compile.py``); run the whole set, with the GPU
 machine's Triton version, before a GPU session. Run it without ``TRITON_INTERPRET``.
@@ -51,6 +52,9 @@ class CompileOnlyDriver:
 
 
 COMPILED: list[tuple[str, float, dict]] = []  # (kernel, seconds, resources)
+# shared memory one program may use (the opt-in maximum per block), by compute capability: a launch
+# asking for more fails on the GPU only (Triton's OutOfResources), so it fails here
+SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 _launch = JITFunction.run
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -71,7 +75,10 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     """``JITFunction.run`` that compiles (for the active target) and never launches."""
     start = time.perf_counter()
     kernel = _launch(self, *args, grid=grid, warmup=True, **kwargs)
-    COMPILED.append((self.__name__, time.perf_counter() - start, resources(kernel.asm["cubin"])))
+    usage = resources(kernel.asm["cubin"])
+    usage["SMEM"] = kernel.metadata.shared  # bytes of shared memory a launch asks for (pipelining buffers)
+    usage["CP_ASYNC"] = len(re.findall(r"\bcp\.async\.c[ag]\b", kernel.asm["ptx"]))  # pipelined tile copies
+    COMPILED.append((self.__name__, time.perf_counter() - start, usage))
     return kernel
 
 
@@ -167,9 +174,15 @@ def main() -> None:
                 before = len(COMPILED)
                 family(V, dtype)
                 done = COMPILED[before:]
+                over = [(n, r["SMEM"]) for n, _, r in done if r["SMEM"] > SMEM_LIMIT.get(arch, 232448)]
+                if over:
+                    raise SystemExit(f"sm_{arch} {family.__name__} V={V}: shared memory over the limit "
+                                     f"{SMEM_LIMIT.get(arch, 232448)} B: {over}")
                 usage = "; ".join(
                     f"{name} REG<={max(r.get('REG', 0) for n, _, r in done if n == name)} "
-                    f"LOCAL<={max(r.get('LOCAL', 0) for n, _, r in done if n == name)}"
+                    f"LOCAL<={max(r.get('LOCAL', 0) for n, _, r in done if n == name)} "
+                    f"SMEM<={max(r['SMEM'] for n, _, r in done if n == name)} "
+                    f"CP_ASYNC>={min(r['CP_ASYNC'] for n, _, r in done if n == name)}"
                     for name in sorted({n for n, _, _ in done}))
                 print(f"sm_{arch} {family.__name__:10s} V={V:<6d} {str(dtype)[6:]:8s} {len(done):3d} launches "
                       f"{sum(t for _, t, _ in done):6.1f} s  {usage}", flush=True)

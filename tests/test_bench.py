@@ -53,3 +53,26 @@ def test_baselines_compute_what_they_stand_for():
         logits[0, node, node + 1] = 10.0  # the spine token of each node dominates
     n = every_node_tree_verify(logits, tokens, parents, 1.0, 0.9, g)
     assert n.tolist() == [3]
+
+
+def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
+    """benchmarks/gpu.py on the CPU (``--quick``): its records, ``--no-baselines`` and ``--compare``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu.py"
+    common = [sys.executable, str(script), "--device", "cpu", "--quick", "--only", "sampling", "--reps", "1",
+              "--inner", "1"]
+    with_base, without = tmp_path / "a.json", tmp_path / "b.json"
+    env = {k: v for k, v in os.environ.items() if k != "SPECSAMPLER_PIPELINE_STAGES"}  # the default depth
+    for out, extra in ((with_base, []), (without, ["--no-baselines"])):
+        subprocess.run([*common, *extra, "--out", str(out)], check=True, capture_output=True, timeout=300, env=env)
+    a, b = json.loads(with_base.read_text()), json.loads(without.read_text())
+    assert [r["op"] for r in a] == ["sample_from_logits"] and a[0]["shape"] == b[0]["shape"]
+    assert set(a[0]["baselines"]) == {"torch"} and b[0]["baselines"] == {}
+    assert a[0]["pipeline_stages"] == 4 and a[0]["median_us"] > 0
+    shown = subprocess.run([sys.executable, str(script), "--compare", str(with_base), str(without)], check=True,
+                           capture_output=True, text=True, timeout=120).stdout
+    assert "stages=4" in shown and "1.00x" in shown and "B=16 V=32000" in shown

@@ -1,7 +1,7 @@
 """The kernels build for a GPU without one: ``tests/compile_kernels.py`` compiles launches down to
 cubins for sm_90. The whole set takes most of an hour on two cores, so CI compiles the tree
-verification launcher of MLC (one variant) to keep the tool working; run the script in full before
-a GPU session (README)."""
+verification launcher of MLC (one variant, with and without pipelined passes) to keep the tool
+working; run the script in full before a GPU session (README)."""
 
 import os
 import re
@@ -16,20 +16,39 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).with_name("compile_kernels.py")
 
 
-def _compile(tmp_path, *args):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _compile(tmp_path, *args, **env_vars):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SPECSAMPLER_PIPELINE_STAGES")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile afresh, not from a cache
+    env.update(env_vars)
     return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
                           timeout=600)
 
 
-def test_mlc_kernel_compiles_for_sm90(tmp_path):
+def test_mlc_kernel_compiles_for_sm90_with_its_passes_pipelined(tmp_path):
     done = _compile(tmp_path, "--family", "mlc", "--size", "small")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "compiled 1 launches" in done.stdout, done.stdout
-    assert re.search(r"_spec_verify_kernel REG<=\d+ LOCAL<=0", done.stdout), done.stdout  # cuobjdump read it
+    usage = re.search(r"_spec_verify_kernel REG<=\d+ LOCAL<=0 SMEM<=(\d+) CP_ASYNC>=(\d+)", done.stdout)
+    assert usage, done.stdout  # cuobjdump read it, no spills
+    # the residual passes stream their rows through asynchronous copies into shared memory: tiles of 1024
+    # float32 values in flight (with one stage, the default's 4, it uses 16 bytes)
+    assert int(usage[1]) >= 2 * 1024 * 4 and int(usage[2]) > 0, done.stdout
     cubins = list((tmp_path / "triton-cache").rglob("_spec_verify_kernel.cubin"))
     assert len(cubins) == 1 and cubins[0].stat().st_size > 0
+
+
+def test_one_pipeline_stage_turns_the_asynchronous_copies_off(tmp_path):
+    done = _compile(tmp_path, "--family", "mlc", "--size", "small", SPECSAMPLER_PIPELINE_STAGES="1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert re.search(r"_spec_verify_kernel .* CP_ASYNC>=0\b", done.stdout), done.stdout
+
+
+def test_a_bad_pipeline_depth_is_a_clear_error():
+    env = {**os.environ, "SPECSAMPLER_PIPELINE_STAGES": "0"}
+    done = subprocess.run([sys.executable, "-c", "import specsampler.kernels.rows"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "SPECSAMPLER_PIPELINE_STAGES: expected an integer >= 1, got '0'" in done.stderr, done.stderr[-2000:]
 
 
 def test_compile_errors_are_reported(tmp_path):

@@ -42,6 +42,7 @@ from .common import (
     request_keys,
     uniform,
 )
+from .rows import STAGES
 
 METHODS = {"token": 0, "block": 1, "target_only": 2, "greedy": 3}  # the kernel's METHOD
 
@@ -74,7 +75,7 @@ def _scan(p_row, q_row, a, use_q, x, V, HAS_Q: tl.constexpr, WITH_X: tl.constexp
     below_x = tl.full((), -1.0, tl.float32)
     cum_x = tl.full((), 0.0, tl.float32)
     pos_x = tl.full((), 0, tl.int1)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK_V)
         w = _weights(p_row, q_row, offs, V, a, use_q, HAS_Q)
         pos = w > 0

@@ -49,7 +49,7 @@ from .common import (
     request_keys,
     uniform,
 )
-from .rows import draw, kept_weights, load_logits, row_config, row_scratch, scan_row, token_weight
+from .rows import STAGES, draw, kept_weights, load_logits, row_config, row_scratch, scan_row, token_weight
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _stop_mass(a, use_q, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, can
         total = tl.sum(w, axis=0)
         last = tl.max(tl.where(w > 0, cand_ids, 0), axis=0)
     else:
-        for start in range(0, V, BLOCK_V):
+        for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
             offs = start + tl.arange(0, BLOCK_V)
             w = _row_weights(logits_row, mask_row, q_row, offs, V, m, inv_t, tau, id_cut, w_min, z, a, use_q,
                              HAS_MASK)

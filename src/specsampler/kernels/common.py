@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
 from .philox import philox_uniform
-from .rows import describe_row
+from .rows import STAGES, describe_row
 
 SAMPLE = tl.constexpr(STREAM_SAMPLE)
 ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -40,7 +40,7 @@ def argmax(row, V, BLOCK_V: tl.constexpr):
     """The lowest id of the row's largest value (int32), read in blocks of ``BLOCK_V``."""
     best = tl.full((), float("-inf"), tl.float32)
     arg = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK_V)
         p = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         m = tl.max(p, 0)

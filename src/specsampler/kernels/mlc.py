@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .rows import STAGES
+
 _DEGENERATE_SUM = tl.constexpr(1e-7)  # as specsampler.mlc: a smaller residual mass accepts the child
 
 
@@ -31,7 +33,7 @@ def _link(links_ptr, node, stride, N):
 def _residual_mass(m_row, q_row, V, BLOCK_V: tl.constexpr):
     """``sum(max(m - q, 0))`` over a row, block by block."""
     mass = tl.full((), 0.0, tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK_V)
         m = tl.load(m_row + offs, mask=offs < V, other=0.0)
         q = tl.load(q_row + offs, mask=offs < V, other=0.0).to(tl.float32)
@@ -42,7 +44,7 @@ def _residual_mass(m_row, q_row, V, BLOCK_V: tl.constexpr):
 @triton.jit
 def _write_residual(m_row, q_row, V, mass, BLOCK_V: tl.constexpr):
     """``m = max(m - q, 0) / mass`` over a row, in place."""
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = start + tl.arange(0, BLOCK_V)
         m = tl.load(m_row + offs, mask=offs < V, other=0.0)
         q = tl.load(q_row + offs, mask=offs < V, other=0.0).to(tl.float32)

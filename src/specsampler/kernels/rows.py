@@ -60,6 +60,8 @@ a pass over the ties in id order picks the cut).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -71,6 +73,24 @@ _EMPTY = tl.constexpr(-(2**63))  # an empty candidate slot: after every packed c
 _UNDERFLOW = tl.constexpr(110.0)  # exp(-110) rounds to 0 in float32: logits below m - 110 T weigh nothing
 
 MAX_CHUNKS = 2048  # chunk maxima of one row are handled as one register tensor of at most this size
+
+
+def pipeline_stages() -> int:
+    """Tiles in flight in the passes over rows (``SPECSAMPLER_PIPELINE_STAGES``, default 4).
+
+    A pass that streams a row tile by tile (``tl.range(..., num_stages=STAGES)``) is software-pipelined by
+    the compiler: each tile is copied asynchronously (``cp.async``) ``STAGES - 1`` iterations ahead of its use,
+    so a program keeps that many tiles of loads in flight instead of waiting for every tile in turn (one
+    program per request reads its rows alone: without this, a pass waits a memory latency per tile). 1 turns
+    it off. Read once, when the kernels are imported; the interpreter ignores it.
+    """
+    raw = os.environ.get("SPECSAMPLER_PIPELINE_STAGES", "4")
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"SPECSAMPLER_PIPELINE_STAGES: expected an integer >= 1, got {raw!r}")
+    return int(raw)
+
+
+STAGES = tl.constexpr(pipeline_stages())
 
 
 def _next_pow2(n: int) -> int:
@@ -182,7 +202,7 @@ def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     m = float("-inf")
     arg = 0
-    for start in range(0, V, BLOCK_CHUNKS * CHUNK):
+    for start in tl.range(0, V, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
         offs = start + tile
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         cmax = tl.max(x, axis=1)
@@ -222,7 +242,7 @@ def kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, write, fscr
     local = tl.arange(0, BLOCK_CHUNKS)
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     z = 0.0
-    for start in range(0, V, BLOCK_CHUNKS * CHUNK):
+    for start in tl.range(0, V, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
         offs = start + tile
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         mass = tl.sum(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), axis=1)
@@ -351,7 +371,7 @@ def _above_pivots(logits_row, mask_row, V, m, inv_t, by_count, tau0, id0, pivots
     """One pass: for each pivot key, the contribution and the number of prefix tokens with key >= it."""
     s = tl.zeros([NPIV], tl.float32)
     cnt = tl.zeros([NPIV], tl.int32)
-    for start in range(0, V, SEARCH_BLOCK):
+    for start in tl.range(0, V, SEARCH_BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, SEARCH_BLOCK)
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         inside = in_prefix(x, offs, tau0, id0) & (offs < V)
@@ -418,7 +438,7 @@ def select_pivot(logits_row, mask_row, V, m, inv_t, by_count, target, tau0, id0,
         tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
         n = 0
         tl.debug_barrier()  # earlier candidates may still be read
-        for start in range(0, V, BLOCK_CHUNKS * CHUNK):
+        for start in tl.range(0, V, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
             offs = start + tile
             x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
             key = order_key(x)

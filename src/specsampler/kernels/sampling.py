@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .common import SAMPLE, TINY, last_dim_contiguous
 from .philox import philox_uniform
-from .rows import describe_row, draw, find_chunk, invert, row_config, row_scratch
+from .rows import STAGES, describe_row, draw, find_chunk, invert, row_config, row_scratch
 
 
 @triton.jit
@@ -126,7 +126,7 @@ def _sample_kernel(probs_ptr, probs_stride, seed_ptr, offset_ptr, index_ptr, u_p
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
     # pass 1: the mass of each chunk (negative and NaN entries weigh 0), where find_chunk reads it
     total = 0.0
-    for start in range(0, V, BLOCK_CHUNKS * CHUNK):
+    for start in tl.range(0, V, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
         offs = start + tile
         w = tl.load(probs_row + offs, mask=offs < V, other=0.0).to(tl.float32)
         mass = tl.sum(tl.where(w > 0.0, w, 0.0), axis=1)

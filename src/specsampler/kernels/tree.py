@@ -62,7 +62,7 @@ from .common import (
     request_keys,
     uniform,
 )
-from .rows import draw, invert, kept_weights, load_logits, scan_row
+from .rows import STAGES, draw, invert, kept_weights, load_logits, scan_row
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
@@ -111,7 +111,7 @@ def _invert(src, held_row, held, div, u, V, BLOCK_V: tl.constexpr):
     the block holding the token."""
     cols = tl.arange(0, BLOCK_V)
     total = tl.full((), 0.0, tl.float32)
-    for start in range(0, V, BLOCK_V):
+    for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
         offs = start + cols
         total += tl.sum(_row(src, held_row, held, div, offs, offs < V), 0)
     t = u * tl.where(total < 0.0, 0.0, total)
@@ -317,7 +317,7 @@ def _rrs_kernel(
                 end = tl.where(regs == 0, V, 0)  # a pass over the row: for a residual not in registers,
                 if WO:  # and for the new mass of the shared q
                     end = V
-                for start in range(0, end, BLOCK_V):
+                for start in tl.range(0, end, BLOCK_V, num_stages=STAGES):
                     offs = start + cols
                     mask = offs < V
                     q = _row(q_row, q_held_row, q_held, q_div, offs, mask)
@@ -510,7 +510,7 @@ def _traversal_kernel(
             mass = tl.full((), 0.0, tl.float32)
             q_mass = tl.full((), 0.0, tl.float32)
             tl.debug_barrier()  # every thread has read Ms(x) of the pushes before Ms is rewritten in place
-            for start in range(0, V, BLOCK_V):
+            for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
                 offs = start + cols
                 mask = offs < V
                 q = _row(q_row, ms_scratch + top * V, q_held, q_div, offs, mask)
