@@ -179,6 +179,25 @@ def test_large_vocabulary_rows_use_bigger_chunks():
     _check(logits, params, "large V", None, 0, 2, 32)
 
 
+def test_greedy_ties_across_tiles_and_chunks_go_to_the_lowest_id():
+    # the first pass keeps a running maximum per chunk position of its 2048-token tiles (32 chunks of 64)
+    # and reduces them once at the end: a tie in a later tile at an earlier position, or in the same
+    # position, must not win over a lower id
+    V = 3 * 2048 + 5
+    logits = torch.zeros(4, V)
+    for row, ids in enumerate(([4100, 2200, 5000], [4100, 2100, 6148], [6148, 64], [2047, 2048, 4095])):
+        logits[row, ids] = 3.0
+    logits[2, 0] = float("-inf")
+    params = SP(temperature=0.0)
+    for mask in (None, torch.ones(4, V, dtype=torch.bool)):
+        tokens, _ = _kernel(logits, params, ss.Philox(5), mask)
+        assert tokens.tolist() == [2200, 2100, 64, 2047]
+    _check(logits, params, "greedy ties across tiles")
+    # sampled rows find their row maximum in the same pass: top-k 1 keeps the same token
+    tokens, _ = _kernel(logits, SP(temperature=1.0, top_k=1), ss.Philox(6))
+    assert tokens.tolist() == [2200, 2100, 64, 2047]
+
+
 def test_wide_nuclei_of_every_size_draw_as_the_reference():
     # rows wider than the reference's whole-row ordering: one token reaching top-p alone, a small
     # nucleus, one compacted down to its crossing bin, and flat rows cut densely (also with min-p

@@ -200,8 +200,10 @@ def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
     n_chunks = tl.cdiv(V, CHUNK)
     local = tl.arange(0, BLOCK_CHUNKS)
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    m = float("-inf")
-    arg = 0
+    # per tile row (a chunk in each tile): the largest logit so far and its lowest id; reduced across the
+    # tile once, after the pass, so that an iteration needs no exchange between warps beyond the stores
+    slot_max = tl.full([BLOCK_CHUNKS], float("-inf"), tl.float32)
+    slot_arg = tl.zeros([BLOCK_CHUNKS], tl.int32)
     for start in tl.range(0, V, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
         offs = start + tile
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
@@ -212,11 +214,12 @@ def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
             base = tl.where(cmax > float("-inf"), cmax, 0.0)
             csum = tl.sum(tl.exp((x - base[:, None]) * inv_t), axis=1)
             tl.store(fscratch_row + NCH_P2 + chunk, csum, mask=chunk < n_chunks)
-        bmax = tl.max(cmax, axis=0)
-        barg = tl.min(tl.min(tl.where(x == bmax, offs, V), axis=1), axis=0)
-        arg = tl.where(bmax > m, barg, arg)  # strictly larger: an earlier block keeps its tie
-        m = tl.maximum(m, bmax)
-    return m, arg
+        carg = tl.min(tl.where(x == cmax[:, None], offs, V), axis=1)
+        slot_arg = tl.where(cmax > slot_max, carg, slot_arg)  # strictly larger: an earlier chunk keeps its tie
+        slot_max = tl.maximum(slot_max, cmax)
+    m = tl.max(slot_max, axis=0)
+    arg = tl.min(tl.where(slot_max == m, slot_arg, V), axis=0)
+    return m, tl.where(arg < V, arg, 0)
 
 
 @triton.jit
