@@ -171,19 +171,31 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
 
 
 def sampling_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
-    V = 32000 if quick else 128256
-    return [sampling_shape(device, g, gd, rate, reps, inner, B, V) for B in ((16,) if quick else (1, 64, 256))]
+    """The targets' shapes (top-k and top-p), then, at the largest batch, two diagnostics: the same rows
+    with plain temperature (the first pass and the draw only) and greedy (one pass): what the top-k /
+    top-p work after the first pass costs."""
+    V, batches = (32000, (16,)) if quick else (128256, (1, 64, 256))
+    out = [sampling_shape(device, g, gd, rate, reps, inner, B, V, TEMPERATURE, TOP_K, TOP_P) for B in batches]
+    out.append(sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, TEMPERATURE, 0, 1.0))
+    out.append(sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, 0.0, 0, 1.0))
+    return out
 
 
-def sampling_shape(device, g, gd, rate, reps, inner, B, V) -> dict:
-    params = ss.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+def sampling_shape(device, g, gd, rate, reps, inner, B, V, temperature, top_k, top_p) -> dict:
+    params = ss.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = (torch.randn(B, V, generator=g) * 4).to(device)
     rng = ss.Philox(torch.arange(B, device=device), torch.zeros(B, dtype=torch.int64, device=device))
-    base = {"torch": lambda: bench.sort_sampler(logits, TEMPERATURE, TOP_K, TOP_P, gd)}
-    if fis is not None:
-        base["flashinfer"] = lambda: fis.top_k_top_p_sampling_from_logits(logits, TOP_K, TOP_P)
-    return record("sample_from_logits", device, {"B": B, "V": V, "top_k": TOP_K, "top_p": TOP_P}, logits,
-                  lambda: ss.sample_from_logits(logits, params, rng), base, rate, reps, inner)
+    if temperature == 0:
+        shape = {"B": B, "V": V, "greedy": True}
+        base = {"torch": lambda: logits.argmax(-1)}
+    else:
+        shape = {"B": B, "V": V, "top_k": top_k, "top_p": top_p}
+        base = {"torch": lambda: bench.sort_sampler(logits, temperature, top_k, top_p, gd)}
+        if fis is not None:
+            base["flashinfer"] = ((lambda: fis.top_k_top_p_sampling_from_logits(logits, top_k, top_p)) if top_k
+                                  else (lambda: fis.sampling_from_logits(logits)))
+    return record("sample_from_logits", device, shape, logits, lambda: ss.sample_from_logits(logits, params, rng),
+                  base, rate, reps, inner)
 
 
 def tree_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:

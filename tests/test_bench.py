@@ -70,8 +70,11 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
     for out, extra in ((with_base, []), (without, ["--no-baselines"])):
         subprocess.run([*common, *extra, "--out", str(out)], check=True, capture_output=True, timeout=300, env=env)
     a, b = json.loads(with_base.read_text()), json.loads(without.read_text())
-    assert [r["op"] for r in a] == ["sample_from_logits"] and a[0]["shape"] == b[0]["shape"]
-    assert set(a[0]["baselines"]) == {"torch"} and b[0]["baselines"] == {}
+    assert [r["op"] for r in a] == ["sample_from_logits"] * 3 and [r["shape"] for r in a] == [r["shape"] for r in b]
+    assert [r["shape"] for r in a] == [{"B": 16, "V": 32000, "top_k": 50, "top_p": 0.95},  # the target's, and
+                                       {"B": 16, "V": 32000, "top_k": 0, "top_p": 1.0},  # the diagnostics
+                                       {"B": 16, "V": 32000, "greedy": True}]
+    assert all(set(r["baselines"]) == {"torch"} for r in a) and all(r["baselines"] == {} for r in b)
     assert a[0]["pipeline_stages"] == 4 and a[0]["median_us"] > 0
     shown = subprocess.run([sys.executable, str(script), "--compare", str(with_base), str(without)], check=True,
                            capture_output=True, text=True, timeout=120).stdout
