@@ -116,7 +116,9 @@ def chains(V, dtype):
             chain.verify_chain(p, x, q, n, method, *rnd)
             for masked in (False, True):
                 mask = torch.rand(B, K + 1, V) < 0.5 if masked else None
-                chain_logits.verify_chain_from_logits(p, x, q, n, method, *_params(B * (K + 1)), mask, *rnd)
+                for rows_in_parallel in (False, True):
+                    chain_logits.verify_chain_from_logits(p, x, q, n, method, *_params(B * (K + 1)), mask, *rnd,
+                                                          rows_in_parallel=rows_in_parallel)
 
 
 def trees(V, dtype):

@@ -111,3 +111,25 @@ def test_ops_work_under_torch_compile_fullgraph():
     compiled = torch.compile(step, fullgraph=True)
     for got, want in zip(compiled(p, x, q, seed, offset), step(p, x, q, seed, offset)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_from_logits_is_the_same_with_rows_described_in_parallel(dtype):
+    """The small-batch mode describes rows in a kernel of its own: compiled apart from the chain kernel, it
+    must round every sum as the chain kernel does (same code, warps and tiles), or a request's tokens
+    would depend on its batch's size."""
+    from specsampler.kernels import chain_logits as kchain
+
+    B, K, V = 6, 4, 128256
+    logits, p, x, q = _chain_inputs(B=B, K=K, V=V, seed=5)
+    rows = B * (K + 1)
+    g = torch.Generator().manual_seed(6)
+    params = (torch.rand(rows, generator=g) + 0.5, torch.tensor([50, 0, 5000, 1] * rows)[:rows],
+              torch.tensor([0.95, 0.8, 1.0] * rows)[:rows], torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0] * rows)[:rows])
+    params = tuple(t.to(CUDA) for t in params)
+    args = (logits.to(CUDA, dtype), x.to(CUDA), q.to(CUDA), torch.full((B,), K, device=CUDA))
+    seed, offset = torch.arange(B, device=CUDA), torch.zeros(B, dtype=torch.int64, device=CUDA)
+    for method in kchain.METHODS:
+        outs = [kchain.verify_chain_from_logits(*args, method, *params, None, seed, offset, rows_in_parallel=mode)
+                for mode in (False, True)]
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), method

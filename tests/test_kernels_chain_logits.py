@@ -121,10 +121,11 @@ def _row_params(params: SP, B: int, K1: int) -> tuple:
     return rp.temperature, rp.top_k, rp.top_p, rp.min_p
 
 
-def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False):
+def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False, rows_in_parallel=False):
     """The kernel with rng a Philox, or a torch.Generator whose uniforms are drawn here as the reference draws
     them (STREAM_SAMPLE [B, K+1], then STREAM_ACCEPT for token and block). The mask is passed as a strided
-    [B, K+1, V] view, or (flat_mask) copied to [B * (K+1), V]."""
+    [B, K+1, V] view, or (flat_mask) copied to [B * (K+1), V]. By default the chain kernel describes the
+    rows itself (the launcher's choice for large batches; these are small)."""
     B, K1, V = c.logits.shape
     mask = None if c.mask is None else c.mask.expand(B, K1, V)
     if mask is not None and flat_mask:
@@ -136,7 +137,8 @@ def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False):
         u_sample = torch.rand(B, K1, generator=rng).to(DEVICE)
         u_accept = torch.rand(B, K1, generator=rng).to(DEVICE) if method in SAMPLED else None
     return kchain.verify_chain_from_logits(c.logits, c.x, c.q, c.n, method, *_row_params(c.params, B, K1), mask, seed,
-                                           offset, u_accept, u_sample, block_v=block_v, chunk=cfg[0], cand=cfg[1])
+                                           offset, u_accept, u_sample, block_v=block_v, chunk=cfg[0], cand=cfg[1],
+                                           rows_in_parallel=rows_in_parallel)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -155,7 +157,8 @@ def test_kernel_equals_the_reference_on_philox_streams(method):
         rng = ss.Philox(torch.randint(-(2**62), 2**62, (B,), generator=g).to(DEVICE),
                         torch.randint(0, 2**40, (B,), generator=g).to(DEVICE))
         ref = _reference(c, method, rng)
-        out = _kernel(c, method, rng, CONFIGS[case % 3], block_v=(64, 128, 512)[case % 3], flat_mask=case % 2 == 0)
+        out = _kernel(c, method, rng, CONFIGS[case % 3], block_v=(64, 128, 512)[case % 3], flat_mask=case % 2 == 0,
+                      rows_in_parallel=case % 4 >= 2)  # either way the same tokens
         assert_same_chain(out, ref, f"{method} case {case} {kind} B={B} K={K} V={V} {c.logits.dtype} {c.params}")
         lengths |= set(ref.num_accepted.tolist())
     assert lengths == set(range(K_MAX + 1)), f"acceptance lengths seen: {sorted(lengths)}"
@@ -168,7 +171,7 @@ def test_kernel_equals_the_reference_on_a_torch_generator(method):
         B, K, V = chain_shape(g, 5, K_MAX)
         c = to_device(_case(g, method, B, K, V, ("normal", "ties", "peaked")[case]))
         ref = _reference(c, method, torch.Generator().manual_seed(case))
-        out = _kernel(c, method, torch.Generator().manual_seed(case), CONFIGS[case % 3])
+        out = _kernel(c, method, torch.Generator().manual_seed(case), CONFIGS[case % 3], rows_in_parallel=case == 1)
         assert_same_chain(out, ref, f"{method} case {case} B={B} K={K} V={V} {c.params}")
 
 
@@ -279,6 +282,30 @@ def test_rows_after_the_stopping_position_are_never_loaded(method, monkeypatch):
         if t is not None:
             hit = row_reads(loaded, t)[rows]
             assert not hit.any(), f"{method}: loaded {int(hit.gt(0).sum())} {name} rows past the stopping position"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rows_described_in_parallel_give_the_same_chains_bit_for_bit(method, monkeypatch):
+    """The small-batch mode (every row described by a first kernel, the chain kernel walking on the stored
+    descriptors) against the chain kernel describing its rows itself: the same tokens, on every path of the
+    row descriptor (kept tokens in registers or not, draws from chunk masses), shorter chains (rows past
+    num_drafts are not described), masks; and the launcher's choice by size."""
+    g = torch.Generator().manual_seed(450 + METHODS.index(method))
+    for case in range(3):
+        B, K, V = chain_shape(g, 5, K_MAX)
+        c = to_device(_case(g, method, B, K, V, ("normal", "ties", "peaked")[case]))
+        rng = ss.Philox(torch.randint(0, 2**62, (B,), generator=g).to(DEVICE), case)
+        alone = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=False)
+        both = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=True)
+        assert torch.equal(alone[0], both[0]) and torch.equal(alone[1], both[1]), f"{method} case {case}"
+    c, r = _stopping_case(g, method, 5, K_MAX, 100)
+    with recorded_loads(monkeypatch) as loaded:
+        _kernel(c, method, ss.Philox(torch.arange(5)), (8, 16), rows_in_parallel=True)
+    reads = row_reads(loaded, c.logits)
+    described = torch.arange(K_MAX + 1) <= c.n[:, None]  # rows past num_drafts are not read at all
+    assert reads[described].gt(0).all() and not reads[~described].gt(0).any()
+    cpu = torch.device("cpu")
+    assert kchain.rows_in_parallel_by_default(52, 5, cpu) and not kchain.rows_in_parallel_by_default(53, 5, cpu)
 
 
 @pytest.mark.parametrize("method", METHODS)

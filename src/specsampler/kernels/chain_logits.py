@@ -7,6 +7,11 @@ the common cases, the kept tokens then held in registers) and walks its chain fr
 kernel of :mod:`specsampler.kernels.chain` does, so rows after the position where the request stops
 are never read (logits, mask or draft probabilities).
 
+Small batches (``rows_in_parallel``: at most two waves of rows, one program per row) first describe
+every row of every request in parallel (:func:`_describe_rows_kernel`, the same code), and the chain
+kernel walks on the stored descriptors: one program per request would otherwise read its rows one
+after the other while most SMs idle. Rows past a request's stop are then read by that first kernel.
+
 - ``token``: per position, the row's descriptor and ``p_i(x_i)`` (from the registers, or one
   logit), ``q_i(x_i)``; at the stop position the residual ``max(p - q, 0)`` (or ``p``): built from
   the kept tokens in registers (``q`` gathered there, since the residual is 0 where ``p`` is), else
@@ -132,11 +137,74 @@ def _stop_pick(t, last, a, use_q, m, inv_t, tau, id_cut, w_min, z, in_regs, cand
 
 
 @triton.jit
+def _descriptor(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_row, desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, DESCRIBED: tl.constexpr,
+                HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
+                CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                NPIV: tl.constexpr):
+    """The descriptor of row ``r`` (request-major): described here, or (``DESCRIBED``) loaded as
+    :func:`_describe_rows_kernel` stored it."""
+    if DESCRIBED:
+        j = tl.arange(0, CAND)
+        return (tl.load(desc_f_ptr + 5 * r), tl.load(desc_f_ptr + 5 * r + 1), tl.load(desc_f_ptr + 5 * r + 2),
+                tl.load(desc_i_ptr + 2 * r), tl.load(desc_f_ptr + 5 * r + 3), tl.load(desc_f_ptr + 5 * r + 4),
+                tl.load(desc_i_ptr + 2 * r + 1), tl.load(cand_ids_ptr + r * CAND + j),
+                tl.load(cand_w_ptr + r * CAND + j))
+    else:
+        return describe(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                        iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK,
+                        NPIV)
+
+
+@triton.jit
+def _describe_rows_kernel(
+    logits_ptr, mask_ptr, nd_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+    desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, fscratch_ptr, iscratch_ptr,
+    K, V, stride_lb, stride_lk, stride_mb, stride_mk,
+    GREEDY: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+    NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+):
+    """The first phase of a small batch (``rows_in_parallel``): program ``r`` describes row ``i = r % (K+1)``
+    of request ``b = r // (K+1)`` if the request has it (``i <= num_drafts[b]``), with the code the chain
+    kernel runs itself otherwise, and stores the descriptor (``m, inv_t, tau, w_min, z`` at
+    ``desc_f[5r:5r+5]``, ``id_cut, in_regs`` at ``desc_i[2r:2r+2]``; greedy: the argmax at ``desc_i[2r]``),
+    the kept tokens in registers and, in ``fscratch`` row ``r``, the chunk masses that a draw reads."""
+    r = tl.program_id(0).to(tl.int64)
+    b = r // (K + 1)
+    i = r % (K + 1)
+    if i <= tl.minimum(tl.maximum(tl.load(nd_ptr + b), 0), K):
+        logits_row = logits_ptr + b * stride_lb + i * stride_lk
+        mask_row = mask_ptr + b * stride_mb + i * stride_mk
+        fscratch_row = fscratch_ptr + r * (3 * NCH_P2)
+        if GREEDY:
+            _, arg = scan_row(logits_row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+            tl.store(desc_i_ptr + 2 * r, arg)
+        else:
+            m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe(
+                logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
+                iscratch_ptr + r * (2 * CAND), HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP,
+                SEARCH_BLOCK, NPIV)
+            tl.store(desc_f_ptr + 5 * r, m)
+            tl.store(desc_f_ptr + 5 * r + 1, inv_t)
+            tl.store(desc_f_ptr + 5 * r + 2, tau)
+            tl.store(desc_f_ptr + 5 * r + 3, w_min)
+            tl.store(desc_f_ptr + 5 * r + 4, z)
+            tl.store(desc_i_ptr + 2 * r, id_cut)
+            tl.store(desc_i_ptr + 2 * r + 1, in_regs)
+            j = tl.arange(0, CAND)
+            tl.store(cand_ids_ptr + r * CAND + j, cand_ids)
+            tl.store(cand_w_ptr + r * CAND + j, cand_w)
+
+
+@triton.jit
 def _chain_logits_kernel(
     logits_ptr, mask_ptr, q_ptr, x_ptr, nd_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     seed_ptr, offset_ptr, ua_ptr, us_ptr, tokens_ptr, nacc_ptr, fscratch_ptr, iscratch_ptr,
+    desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr,
     K, V, stride_lb, stride_lk, stride_mb, stride_mk, stride_qb, stride_qk, stride_ua, stride_us,
-    METHOD: tl.constexpr, HAS_MASK: tl.constexpr, PHILOX: tl.constexpr, BLOCK_V: tl.constexpr,
+    METHOD: tl.constexpr, DESCRIBED: tl.constexpr, HAS_MASK: tl.constexpr, PHILOX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
     CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
@@ -149,7 +217,7 @@ def _chain_logits_kernel(
     x_row = x_ptr + b * K
     ua_row = ua_ptr + b * stride_ua
     us_row = us_ptr + b * stride_us
-    r_b = b * (K + 1)  # the parameters of row i are at r_b + i
+    r_b = b * (K + 1)  # the parameters (DESCRIBED: also the descriptor and scratch row) of row i are at r_b + i
     fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
     iscratch_row = iscratch_ptr + b * (2 * CAND)
 
@@ -170,9 +238,10 @@ def _chain_logits_kernel(
         while go:
             logits_row = l_b + n * stride_lk
             mask_row = m_b + n * stride_mk
-            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = describe(
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _descriptor(
                 logits_row, mask_row, r_b + n, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+                iscratch_row, desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, DESCRIBED, HAS_MASK, CHUNK,
+                BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
             accept = n < 0
             if n < kb:
                 x = _draft(x_row, n, kb, V)
@@ -207,9 +276,10 @@ def _chain_logits_kernel(
             logits_row = l_b + i * stride_lk
             mask_row = m_b + i * stride_mk
             q_row = q_b + i * stride_qk
-            c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w = describe(
+            c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w = _descriptor(
                 logits_row, mask_row, r_b + i, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+                iscratch_row, desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, DESCRIBED, HAS_MASK, CHUNK,
+                BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
             take = i == 0  # h_0 = 1
             if i > 0:
                 s, last = _stop_mass(a, i >= 0, c_m, c_inv_t, c_tau, c_cut, c_w_min, c_z, c_regs, c_ids, c_w,
@@ -240,9 +310,9 @@ def _chain_logits_kernel(
         # h at position kb is a_kb (h_0 = 1 when kb = 0); a stop before kb left a = 0 there
         if (i == kb) & ((uniform(ua_row, seed, offset, kb, ACCEPT, PHILOX) < a) | (kb == 0)):
             tau = kb
-            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = describe(
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _descriptor(
                 l_b + kb * stride_lk, m_b + kb * stride_mk, r_b + kb, V, temperature_ptr, top_k_ptr, top_p_ptr,
-                min_p_ptr, fscratch_row, iscratch_row,
+                min_p_ptr, fscratch_row, iscratch_row, desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, DESCRIBED,
                 HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
         logits_row = l_b + tau * stride_lk
         mask_row = m_b + tau * stride_mk
@@ -268,12 +338,14 @@ def _chain_logits_kernel(
         while go:
             logits_row = l_b + n * stride_lk
             mask_row = m_b + n * stride_mk
-            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = describe(
+            d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w = _descriptor(
                 logits_row, mask_row, r_b + n, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+                iscratch_row, desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, DESCRIBED, HAS_MASK, CHUNK,
+                BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
             u = uniform(us_row, seed, offset, n, SAMPLE, PHILOX)
             drawn, _ = draw(u, d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, d_regs, d_ids, d_w, logits_row, mask_row,
-                            V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+                            V, fscratch_ptr + (r_b + n) * (3 * NCH_P2) if DESCRIBED else fscratch_row, HAS_MASK,
+                            CHUNK, NCH_P2)
             y = drawn.to(tl.int32)
             accept = y == _draft(x_row, n, kb, V)
             n += accept.to(tl.int32)
@@ -281,9 +353,12 @@ def _chain_logits_kernel(
     else:  # greedy: y_n = argmax of the masked logits (lowest id among ties) while it equals x_n
         go = n >= 0
         while go:
-            _, arg = scan_row(l_b + n * stride_lk, m_b + n * stride_mk, V, 1.0, False, fscratch_row,
-                              HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
-            y = arg.to(tl.int32)
+            if DESCRIBED:
+                y = tl.load(desc_i_ptr + 2 * (r_b + n))
+            else:
+                _, arg = scan_row(l_b + n * stride_lk, m_b + n * stride_mk, V, 1.0, False, fscratch_row,
+                                  HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+                y = arg.to(tl.int32)
             accept = y == _draft(x_row, n, kb, V)
             n += accept.to(tl.int32)
             go = accept
@@ -310,6 +385,7 @@ def verify_chain_from_logits(
     block_v: int = 4096,
     chunk: int = 64,
     cand: int = 256,
+    rows_in_parallel: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Process the target logits per row and verify one draft chain per request (the kernel of
     :func:`specsampler.verify_chain_from_logits`).
@@ -340,6 +416,11 @@ def verify_chain_from_logits(
         chunk, cand: tuning of the row descriptors (see :func:`specsampler.kernels.rows.row_config`);
             keep the defaults of :func:`specsampler.kernels.sampling.sample_from_logits` for ``target_only``
             to draw its tokens bit for bit.
+        rows_in_parallel: describe every row a request has in a first kernel, one program per row, before
+            the chain kernel walks (small batches: the walk's one program per request would leave most of
+            the GPU idle; rows past the stop are then read too). False: the chain kernel describes each row
+            it reaches and reads no row past the stop. None: :func:`rows_in_parallel_by_default`. The
+            results are the same either way (the same code describes a row).
     Returns:
         tokens: int64 ``[B, K+1]``: accepted drafts, then one correction or bonus token, then -1.
         num_accepted: int64 ``[B]``.
@@ -362,17 +443,39 @@ def verify_chain_from_logits(
     n = draft_counts(num_drafts, B, K, dev)
     seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=logits)
     cfg = row_config(V, chunk=chunk, cand=cand)
-    fscratch, iscratch = row_scratch(B, cfg, dev)
+    params = (temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous())
+    # a fused multiply-add would round otherwise than torch (a * p - q) and than the sampling kernel
+    meta = dict(HAS_MASK=vocab_mask is not None, num_warps=8, enable_fp_fusion=False, **cfg)
+    described = rows_in_parallel_by_default(B, K1, dev) if rows_in_parallel is None else rows_in_parallel
+    if described:
+        R = B * K1
+        fscratch, iscratch = row_scratch(R, cfg, dev)
+        desc_f = torch.empty(R, 5, dtype=torch.float32, device=dev)
+        desc_i = torch.empty(R, 2, dtype=torch.int32, device=dev)
+        cand_ids = torch.empty(R, cfg["CAND"], dtype=torch.int32, device=dev)
+        cand_w = torch.empty(R, cfg["CAND"], dtype=torch.float32, device=dev)
+        _describe_rows_kernel[(R,)](
+            logits, mask, n, *params, desc_f, desc_i, cand_ids, cand_w, fscratch, iscratch,
+            K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, GREEDY=method == "greedy", **meta)
+    else:
+        fscratch, iscratch = row_scratch(B, cfg, dev)
+        desc_f = desc_i = cand_ids = cand_w = fscratch  # not read
     block = block_size(block_v, V)
     _chain_logits_kernel[(B,)](
-        logits, mask, q, draft_tokens.contiguous(), n, temperature.contiguous(), top_k.contiguous(),
-        top_p.contiguous(), min_p.contiguous(), seed, offset, ua, us,
-        tokens, num_accepted, fscratch, iscratch,
+        logits, mask, q, draft_tokens.contiguous(), n, *params, seed, offset, ua, us,
+        tokens, num_accepted, fscratch, iscratch, desc_f, desc_i, cand_ids, cand_w,
         K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, q.stride(0), q.stride(1),
         ua.stride(0), us.stride(0),
-        METHOD=METHODS[method], HAS_MASK=vocab_mask is not None, PHILOX=philox, BLOCK_V=block,
-        BLOCK_K=triton.next_power_of_2(K1), num_warps=8 if block >= 2048 else 4,
-        enable_fp_fusion=False,  # a * p - q rounded as torch rounds it (no fused multiply-add)
-        **cfg,
+        METHOD=METHODS[method], DESCRIBED=described, PHILOX=philox, BLOCK_V=block,
+        BLOCK_K=triton.next_power_of_2(K1), **meta,
     )
     return tokens, num_accepted
+
+
+def rows_in_parallel_by_default(B: int, K1: int, device: torch.device) -> bool:
+    """Whether ``B`` chains of ``K1`` rows describe their rows in a first, row-parallel kernel: when the
+    rows fill at most two waves of one program per SM (132 SMs assumed off a GPU, an H100's). A request's
+    program then walks in about the time of one or two rows instead of one row per accepted draft, at the
+    cost of reading the rows past its stop, which the GPU (mostly idle at such sizes) has time for."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return 2 * sms >= B * K1
