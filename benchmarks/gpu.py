@@ -49,6 +49,7 @@ TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 BASELINES = True  # --no-baselines: time our kernels only
 STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), None without Triton
 if triton_available():
+    from specsampler.kernels import chain_logits as kchain
     from specsampler.kernels.rows import STAGES as _STAGES
 
     STAGES = _STAGES.value
@@ -128,7 +129,7 @@ def record(op: str, device: torch.device, shape: dict, logits: torch.Tensor, our
         rec["baseline_us"][name] = round(tb * 1e6, 2)
     shape_s = " ".join(f"{k}={v}" for k, v in shape.items())
     base_s = ", ".join(f"{k} {v}x" for k, v in rec["baselines"].items())
-    print(f"{op:<26}{shape_s:<52}{t * 1e6:>10.1f}{rec['floor_ratio']:>8.2f}  {base_s}", flush=True)
+    print(f"{op:<26}{shape_s:<80} {t * 1e6:>10.1f}{rec['floor_ratio']:>8.2f}  {base_s}", flush=True)
     return rec
 
 
@@ -155,16 +156,24 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
             probs = fis.top_p_renorm_probs(fis.top_k_renorm_probs(probs, TOP_K), TOP_P)
             return fis.chain_speculative_sampling(q, draft.int(), probs.view(B, K + 1, V))
         base["flashinfer_sequential"] = fi_sequential
-    out.append(record("chain_verify_from_logits", device, {**shape, "method": "token"}, logits,
-                      lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
-                                                          rng=rng), base, rate, reps, inner))
+    parallel = use_triton(device) and kchain.rows_in_parallel_by_default(B, K + 1, device)
+    out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": parallel},
+                      logits, lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
+                                                                  rng=rng), base, rate, reps, inner))
+    if parallel:  # a diagnostic: the same chains walked by the chain kernel alone (its choice for large batches)
+        rp = params.rows("bench", B, K + 1, device, False)
+        out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": False},
+                          logits, lambda: kchain.verify_chain_from_logits(
+                              logits, draft, q, None, "token", rp.temperature, rp.top_k, rp.top_p, rp.min_p, None,
+                              rng.seed, rng.offset, rows_in_parallel=False), {}, rate, reps, inner))
     base = {"torch": lambda: bench.sort_sampler(logits.view(-1, V), TEMPERATURE, TOP_K, TOP_P, gd)}
     if fis is not None:
         def fi_fused():
             y = fis.top_k_top_p_sampling_from_logits(logits.view(-1, V), TOP_K, TOP_P).view(B, K + 1)
             return (y[:, :K] == draft).int().cumprod(1).sum(1), y
         base["flashinfer_fused"] = fi_fused
-    out.append(record("chain_verify_from_logits", device, {**shape, "method": "target_only"}, logits,
+    out.append(record("chain_verify_from_logits", device, {**shape, "method": "target_only",
+                                                           "rows_in_parallel": parallel}, logits,
                       lambda: ss.verify_chain_from_logits(logits, draft, params, method="target_only", rng=rng),
                       base, rate, reps, inner))
     return out
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{bench.device_name(device)}; copy rate {rate / 1e12:.2f} TB/s (read + write); "
           f"flashinfer {getattr(flashinfer, '__version__', 'not installed')}; "
           f"backend {'triton' if use_triton(device) else 'torch'}; pipeline stages {STAGES}")
-    print(f"{'op':<26}{'shape':<52}{'median us':>10}{'floor x':>8}  baselines (speedup)")
+    print(f"{'op':<26}{'shape':<81}{'median us':>10}{'floor x':>8}  baselines (speedup)")
     records = []
     suites = {"chain": chain_records, "sampling": sampling_records, "tree": tree_records}
     for name in args.only or suites:
