@@ -160,12 +160,13 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
     out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": parallel},
                       logits, lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
                                                                   rng=rng), base, rate, reps, inner))
-    if parallel:  # a diagnostic: the same chains walked by the chain kernel alone (its choice for large batches)
+    if use_triton(device):  # a diagnostic for the size threshold: the same chains in the other mode
         rp = params.rows("bench", B, K + 1, device, False)
-        out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": False},
-                          logits, lambda: kchain.verify_chain_from_logits(
+        out.append(record("chain_verify_from_logits", device,
+                          {**shape, "method": "token", "rows_in_parallel": not parallel}, logits,
+                          lambda: kchain.verify_chain_from_logits(
                               logits, draft, q, None, "token", rp.temperature, rp.top_k, rp.top_p, rp.min_p, None,
-                              rng.seed, rng.offset, rows_in_parallel=False), {}, rate, reps, inner))
+                              rng.seed, rng.offset, rows_in_parallel=not parallel), {}, rate, reps, inner))
     base = {"torch": lambda: bench.sort_sampler(logits.view(-1, V), TEMPERATURE, TOP_K, TOP_P, gd)}
     if fis is not None:
         def fi_fused():
@@ -235,7 +236,7 @@ def compare(paths: list[str]) -> None:
             runs.append({(r["op"], json.dumps(r["shape"], sort_keys=True)): r for r in json.load(f)})
     labels = [f"stages={next(iter(run.values())).get('pipeline_stages', '?')}" if run else path
               for path, run in zip(paths, runs)]
-    print(f"{'op':<26}{'shape':<60}" + "".join(f"{label:>22}" for label in labels))
+    print(f"{'op':<26}{'shape':<82}" + "".join(f"{label:>22}" for label in labels))
     for key, first in runs[0].items():
         cells = []
         for run in runs:
@@ -243,7 +244,7 @@ def compare(paths: list[str]) -> None:
             cells.append("-" if rec is None else
                          f"{rec['median_us']:.1f} us {rec['median_us'] / first['median_us']:.2f}x")
         shape_s = " ".join(f"{k}={v}" for k, v in first["shape"].items())
-        print(f"{key[0]:<26}{shape_s:<60}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{key[0]:<26}{shape_s:<82}" + "".join(f"{c:>22}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ rows through every path (kept tokens in registers, or the passes over a whole ro
 
 import math
 import os
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import pytest
@@ -304,8 +305,12 @@ def test_rows_described_in_parallel_give_the_same_chains_bit_for_bit(method, mon
     reads = row_reads(loaded, c.logits)
     described = torch.arange(K_MAX + 1) <= c.n[:, None]  # rows past num_drafts are not read at all
     assert reads[described].gt(0).all() and not reads[~described].gt(0).any()
-    cpu = torch.device("cpu")
-    assert kchain.rows_in_parallel_by_default(52, 5, cpu) and not kchain.rows_in_parallel_by_default(53, 5, cpu)
+    # by size on a GPU of 132 SMs: at most two waves of rows; never in the interpreter
+    h100 = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
+    gpu = torch.device("cuda")
+    assert kchain.rows_in_parallel_by_default(52, 5, gpu) and not kchain.rows_in_parallel_by_default(53, 5, gpu)
+    assert not kchain.rows_in_parallel_by_default(1, 5, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("method", METHODS)
