@@ -299,12 +299,13 @@ def test_rows_described_in_parallel_give_the_same_chains_bit_for_bit(method, mon
         alone = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=False)
         both = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=True)
         assert torch.equal(alone[0], both[0]) and torch.equal(alone[1], both[1]), f"{method} case {case}"
-    c, r = _stopping_case(g, method, 5, K_MAX, 100)
-    with recorded_loads(monkeypatch) as loaded:
-        _kernel(c, method, ss.Philox(torch.arange(5)), (8, 16), rows_in_parallel=True)
-    reads = row_reads(loaded, c.logits)
-    described = torch.arange(K_MAX + 1) <= c.n[:, None]  # rows past num_drafts are not read at all
-    assert reads[described].gt(0).all() and not reads[~described].gt(0).any()
+    if os.environ.get("TRITON_INTERPRET") == "1":  # loads are recorded in the interpreter
+        c, r = _stopping_case(g, method, 5, K_MAX, 100)
+        with recorded_loads(monkeypatch) as loaded:
+            _kernel(c, method, ss.Philox(torch.arange(5)), (8, 16), rows_in_parallel=True)
+        reads = row_reads(loaded, c.logits)
+        described = torch.arange(K_MAX + 1) <= c.n[:, None]  # rows past num_drafts are not read at all
+        assert reads[described].gt(0).all() and not reads[~described].gt(0).any()
     # by size on a GPU of 132 SMs: at most two waves of rows; never in the interpreter
     h100 = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
