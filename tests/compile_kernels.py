@@ -176,10 +176,11 @@ def main() -> None:
                 before = len(COMPILED)
                 family(V, dtype)
                 done = COMPILED[before:]
-                over = [(n, r["SMEM"]) for n, _, r in done if r["SMEM"] > SMEM_LIMIT.get(arch, 232448)]
+                limit = SMEM_LIMIT.get(arch, SMEM_LIMIT[90])
+                over = [(n, r["SMEM"]) for n, _, r in done if r["SMEM"] > limit]
                 if over:
-                    raise SystemExit(f"sm_{arch} {family.__name__} V={V}: shared memory over the limit "
-                                     f"{SMEM_LIMIT.get(arch, 232448)} B: {over}")
+                    raise SystemExit(f"sm_{arch} {family.__name__} V={V}: shared memory over the limit {limit} B: "
+                                     f"{over}")
                 usage = "; ".join(
                     f"{name} REG<={max(r.get('REG', 0) for n, _, r in done if n == name)} "
                     f"LOCAL<={max(r.get('LOCAL', 0) for n, _, r in done if n == name)} "

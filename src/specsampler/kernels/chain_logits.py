@@ -142,8 +142,8 @@ def _descriptor(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_pt
                 HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
                 CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                 NPIV: tl.constexpr):
-    """The descriptor of row ``r`` (request-major): described here, or (``DESCRIBED``) loaded as
-    :func:`_describe_rows_kernel` stored it."""
+    """The descriptor of row ``r`` (request-major): described here, or (``DESCRIBED``) loaded where
+    :func:`_store_descriptor` put it."""
     if DESCRIBED:
         j = tl.arange(0, CAND)
         return (tl.load(desc_f_ptr + 5 * r), tl.load(desc_f_ptr + 5 * r + 1), tl.load(desc_f_ptr + 5 * r + 2),
@@ -157,6 +157,24 @@ def _descriptor(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_pt
 
 
 @triton.jit
+def _store_descriptor(desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, r, m, inv_t, tau, id_cut, w_min, z, in_regs,
+                      cand_ids, cand_w, CAND: tl.constexpr):
+    """Row ``r``'s descriptor for :func:`_descriptor`: ``m, inv_t, tau, w_min, z`` at ``desc_f[5r:5r+5]``,
+    ``id_cut, in_regs`` at ``desc_i[2r:2r+2]`` (a greedy row's argmax alone at ``desc_i[2r]``), the kept
+    tokens at ``cand_ids[r]``, ``cand_w[r]``."""
+    tl.store(desc_f_ptr + 5 * r, m)
+    tl.store(desc_f_ptr + 5 * r + 1, inv_t)
+    tl.store(desc_f_ptr + 5 * r + 2, tau)
+    tl.store(desc_f_ptr + 5 * r + 3, w_min)
+    tl.store(desc_f_ptr + 5 * r + 4, z)
+    tl.store(desc_i_ptr + 2 * r, id_cut)
+    tl.store(desc_i_ptr + 2 * r + 1, in_regs)
+    j = tl.arange(0, CAND)
+    tl.store(cand_ids_ptr + r * CAND + j, cand_ids)
+    tl.store(cand_w_ptr + r * CAND + j, cand_w)
+
+
+@triton.jit
 def _describe_rows_kernel(
     logits_ptr, mask_ptr, nd_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
     desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, fscratch_ptr, iscratch_ptr,
@@ -167,9 +185,8 @@ def _describe_rows_kernel(
 ):
     """The first phase of a small batch (``rows_in_parallel``): program ``r`` describes row ``i = r % (K+1)``
     of request ``b = r // (K+1)`` if the request has it (``i <= num_drafts[b]``), with the code the chain
-    kernel runs itself otherwise, and stores the descriptor (``m, inv_t, tau, w_min, z`` at
-    ``desc_f[5r:5r+5]``, ``id_cut, in_regs`` at ``desc_i[2r:2r+2]``; greedy: the argmax at ``desc_i[2r]``),
-    the kept tokens in registers and, in ``fscratch`` row ``r``, the chunk masses that a draw reads."""
+    kernel runs itself otherwise, and stores the descriptor (:func:`_store_descriptor`; greedy: the argmax)
+    and, in ``fscratch`` row ``r``, the chunk masses that a draw reads."""
     r = tl.program_id(0).to(tl.int64)
     b = r // (K + 1)
     i = r % (K + 1)
@@ -185,16 +202,8 @@ def _describe_rows_kernel(
                 logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
                 iscratch_ptr + r * (2 * CAND), HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP,
                 SEARCH_BLOCK, NPIV)
-            tl.store(desc_f_ptr + 5 * r, m)
-            tl.store(desc_f_ptr + 5 * r + 1, inv_t)
-            tl.store(desc_f_ptr + 5 * r + 2, tau)
-            tl.store(desc_f_ptr + 5 * r + 3, w_min)
-            tl.store(desc_f_ptr + 5 * r + 4, z)
-            tl.store(desc_i_ptr + 2 * r, id_cut)
-            tl.store(desc_i_ptr + 2 * r + 1, in_regs)
-            j = tl.arange(0, CAND)
-            tl.store(cand_ids_ptr + r * CAND + j, cand_ids)
-            tl.store(cand_w_ptr + r * CAND + j, cand_w)
+            _store_descriptor(desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, r, m, inv_t, tau, id_cut, w_min, z,
+                              in_regs, cand_ids, cand_w, CAND)
 
 
 @triton.jit
@@ -353,7 +362,7 @@ def _chain_logits_kernel(
     else:  # greedy: y_n = argmax of the masked logits (lowest id among ties) while it equals x_n
         go = n >= 0
         while go:
-            if DESCRIBED:
+            if DESCRIBED:  # the argmax, where _store_descriptor's layout keeps id_cut
                 y = tl.load(desc_i_ptr + 2 * (r_b + n))
             else:
                 _, arg = scan_row(l_b + n * stride_lk, m_b + n * stride_mk, V, 1.0, False, fscratch_row,
