@@ -51,6 +51,62 @@ def test_a_bad_pipeline_depth_is_a_clear_error():
     assert "SPECSAMPLER_PIPELINE_STAGES: expected an integer >= 1, got '0'" in done.stderr, done.stderr[-2000:]
 
 
+def test_a_bad_programs_per_sm_is_a_clear_error():
+    env = {**os.environ, "SPECSAMPLER_PROGRAMS_PER_SM": "two"}
+    done = subprocess.run([sys.executable, "-c", "import specsampler.kernels.rows"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "SPECSAMPLER_PROGRAMS_PER_SM: expected an integer from 1 to 4, got 'two'" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_register_limit_fits_the_programs_per_sm(monkeypatch):
+    from specsampler.kernels import rows
+
+    assert rows.PROGRAMS_PER_SM == 2 or "SPECSAMPLER_PROGRAMS_PER_SM" in os.environ
+    monkeypatch.setattr(rows, "PROGRAMS_PER_SM", 2)
+    assert rows.launch_options(8) == {"num_warps": 8, "maxnreg": 128}  # 2 x 256 threads x 128 = 65536
+    assert rows.launch_options(4) == {"num_warps": 4}  # the 255-register maximum fits two already
+    monkeypatch.setattr(rows, "PROGRAMS_PER_SM", 3)
+    assert rows.launch_options(8) == {"num_warps": 8, "maxnreg": 80}  # 85, allocated in units of 8
+    monkeypatch.setattr(rows, "PROGRAMS_PER_SM", 1)
+    assert rows.launch_options(8) == {"num_warps": 8}
+
+
+def test_the_launchers_ask_for_the_register_limit(monkeypatch):
+    """The kernels from logits (chain, both modes, and sampling) are launched with ``launch_options``: the
+    interpreter ignores ``maxnreg``, so the launches are watched."""
+    import torch
+
+    from specsampler.kernels import chain_logits, sampling
+
+    seen = {}
+
+    def watch(kernel):
+        run = kernel.run
+
+        def watched(*args, **kwargs):
+            seen[kernel.__name__] = (kwargs.get("num_warps"), kwargs.get("maxnreg"))
+            return run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", watched)
+
+    for kernel in (sampling._sample_from_logits_kernel, chain_logits._describe_rows_kernel,
+                   chain_logits._chain_logits_kernel):
+        watch(kernel)
+    B, K, V = 2, 2, 40
+    logits = torch.randn(B, K + 1, V)
+    params = (torch.ones(B * (K + 1)), torch.full((B * (K + 1),), 5), torch.full((B * (K + 1),), 0.9),
+              torch.zeros(B * (K + 1)))
+    sampling.sample_from_logits(logits.view(-1, V), *params, u=torch.rand(B * (K + 1)))
+    chain_logits.verify_chain_from_logits(logits, torch.zeros(B, K, dtype=torch.int64), None, None, "target_only",
+                                          *params, u_sample=torch.rand(B, K + 1), rows_in_parallel=True)
+    from specsampler.kernels.rows import launch_options
+
+    expected = (8, launch_options(8).get("maxnreg"))  # 128 by default (the test above)
+    assert seen == {"_sample_from_logits_kernel": expected, "_describe_rows_kernel": expected,
+                    "_chain_logits_kernel": expected}
+
+
 def test_compile_errors_are_reported(tmp_path):
     """A kernel the compiler rejects (but the interpreter would run) fails the script."""
     bad = tmp_path / "bad_kernel.py"

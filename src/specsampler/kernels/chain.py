@@ -42,7 +42,7 @@ from .common import (
     request_keys,
     uniform,
 )
-from .rows import STAGES
+from .rows import STAGES, launch_options
 
 METHODS = {"token": 0, "block": 1, "target_only": 2, "greedy": 3}  # the kernel's METHOD
 
@@ -292,7 +292,7 @@ def verify_chain(
         K, V, target.stride(0), target.stride(1), q.stride(0), q.stride(1),
         ua.stride(0), us.stride(0),
         METHOD=METHODS[method], HAS_Q=method in ("token", "block"), PHILOX=philox, BLOCK_V=block,
-        BLOCK_K=triton.next_power_of_2(K1), num_warps=8 if block >= 2048 else 4,
+        BLOCK_K=triton.next_power_of_2(K1), **launch_options(8 if block >= 2048 else 4),
         enable_fp_fusion=False,  # a * p - q rounded as torch rounds it (no fused multiply-add)
     )
     return tokens, num_accepted

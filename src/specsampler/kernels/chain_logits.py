@@ -54,7 +54,17 @@ from .common import (
     request_keys,
     uniform,
 )
-from .rows import STAGES, draw, kept_weights, load_logits, row_config, row_scratch, scan_row, token_weight
+from .rows import (
+    STAGES,
+    draw,
+    kept_weights,
+    launch_options,
+    load_logits,
+    row_config,
+    row_scratch,
+    scan_row,
+    token_weight,
+)
 
 
 @triton.jit
@@ -454,7 +464,7 @@ def verify_chain_from_logits(
     cfg = row_config(V, chunk=chunk, cand=cand)
     params = (temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous())
     # a fused multiply-add would round otherwise than torch (a * p - q) and than the sampling kernel
-    meta = dict(HAS_MASK=vocab_mask is not None, num_warps=8, enable_fp_fusion=False, **cfg)
+    meta = dict(HAS_MASK=vocab_mask is not None, enable_fp_fusion=False, **launch_options(8), **cfg)
     described = rows_in_parallel_by_default(B, K1, dev) if rows_in_parallel is None else rows_in_parallel
     if described:
         R = B * K1

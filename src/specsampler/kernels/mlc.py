@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rows import STAGES
+from .rows import STAGES, launch_options
 
 _DEGENERATE_SUM = tl.constexpr(1e-7)  # as specsampler.mlc: a smaller residual mass accepts the child
 
@@ -124,5 +124,5 @@ def batch_spec_verify(
         token_tree_parent_ptr,
         num_nodes, V, dp.stride(0), draft_tokens.stride(0), token_tree_first_child.stride(0),
         token_tree_next_sibling.stride(0), uniform_samples.stride(0),
-        BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+        BLOCK_V=block, **launch_options(8 if block >= 2048 else 4),
     )

@@ -92,6 +92,34 @@ def pipeline_stages() -> int:
 
 STAGES = tl.constexpr(pipeline_stages())
 
+REGISTERS_PER_SM = 65536  # 32-bit registers of one SM (compute capabilities 7.0 to 10.0)
+
+
+def programs_per_sm() -> int:
+    """Programs of one kernel that fit on an SM together (``SPECSAMPLER_PROGRAMS_PER_SM``, default 2).
+
+    A program alone on its SM leaves the SM's memory pipe idle whenever it computes rather than streams
+    (the search for a row's cut, its sorts); a second program there streams meanwhile. An SM holds two
+    8-warp programs when each thread uses at most 128 registers (:func:`launch_options`): the kernels fit
+    in that without spilling (``tests/compile_kernels.py`` shows it). 1: no limit. Read once, when the
+    kernels are imported; the interpreter ignores it.
+    """
+    raw = os.environ.get("SPECSAMPLER_PROGRAMS_PER_SM", "2")
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 4:
+        raise ValueError(f"SPECSAMPLER_PROGRAMS_PER_SM: expected an integer from 1 to 4, got {raw!r}")
+    return int(raw)
+
+
+PROGRAMS_PER_SM = programs_per_sm()
+
+
+def launch_options(num_warps: int) -> dict:
+    """``num_warps`` and the register limit per thread (``maxnreg``) that lets :data:`PROGRAMS_PER_SM`
+    programs of that many warps share an SM (none when the 255-register maximum already does). The
+    limit changes register allocation only, never the arithmetic: results are the same bit for bit."""
+    regs = REGISTERS_PER_SM // (PROGRAMS_PER_SM * num_warps * 32) // 8 * 8  # allocated in units of 8
+    return dict(num_warps=num_warps) if regs >= 255 else dict(num_warps=num_warps, maxnreg=regs)
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -106,13 +134,16 @@ def row_config(V: int, *, chunk: int = 64, cand: int = 256, nucleus: int = 64, b
     block: tokens per tile of a pass over the row.
     """
     chunk = max(chunk, _next_pow2(-(-V // MAX_CHUNKS)))
+    nch_p2 = _next_pow2(-(-V // chunk))
     return dict(
         CHUNK=chunk,
         BLOCK_CHUNKS=max(1, block // chunk),
-        NCH_P2=_next_pow2(-(-V // chunk)),
+        NCH_P2=nch_p2,
         CAND=cand,
         NUCLEUS=min(nucleus, cand),
-        GROUP=max(1, min(16, 1024 // chunk)),
+        # chunks gathered per step of top_candidates (each step waits for two dependent loads and exchanges
+        # positions between warps): a top-k of up to cand / 4 (50 of 256: 64 chunks, 4096 tokens) in one step
+        GROUP=max(1, min(cand // 4, 4096 // chunk, nch_p2)),
         SEARCH_BLOCK=256,
         NPIV=16,
     )

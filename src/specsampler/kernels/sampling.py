@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .common import SAMPLE, TINY, last_dim_contiguous
 from .philox import philox_uniform
-from .rows import STAGES, describe_row, draw, find_chunk, invert, row_config, row_scratch
+from .rows import STAGES, describe_row, draw, find_chunk, invert, launch_options, row_config, row_scratch
 
 
 @triton.jit
@@ -110,7 +110,8 @@ def sample_from_logits(
     _sample_from_logits_kernel[(R,)](
         logits, logits.stride(0), mask, mask.stride(0), temperature, top_k, top_p, min_p,
         seed, offset, index, u, tokens, logprobs, fscratch, iscratch, V,
-        HAS_MASK=vocab_mask is not None, PHILOX=philox, num_warps=num_warps, **cfg,
+        HAS_MASK=vocab_mask is not None, PHILOX=philox, **launch_options(num_warps), **cfg,
+        enable_fp_fusion=False,  # rounded as the chain and tree kernels round it: target_only's draws are these
     )
     return tokens, logprobs
 
@@ -173,5 +174,5 @@ def sample(
     fscratch = torch.empty(R, 3 * cfg["NCH_P2"], dtype=torch.float32, device=probs.device)  # as row_scratch's
     _sample_kernel[(R,)](probs, probs.stride(0), seed, offset, index, u, tokens, fscratch, V, PHILOX=philox,
                          CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"],
-                         num_warps=num_warps)
+                         **launch_options(num_warps))
     return tokens

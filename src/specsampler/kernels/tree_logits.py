@@ -46,7 +46,7 @@ from .common import (
     block_size,
     mask_strides,
 )
-from .rows import row_config, row_scratch
+from .rows import launch_options, row_config, row_scratch
 from .tree import (
     _draws_kernel,
     _rrs_kernel,
@@ -134,7 +134,7 @@ def verify_tree_from_logits(
     cfg = row_config(V, chunk=chunk, cand=cand)
     fscratch, iscratch = row_scratch(B, cfg, dev)
     meta = dict(FROM_LOGITS=True, PHILOX=run.philox, HAS_MASK=vocab_mask is not None, BLOCK_V=block_size(block_v, V),
-                BLOCK_D=triton.next_power_of_2(D + 2), num_warps=num_warps, enable_fp_fusion=False, **cfg)
+                BLOCK_D=triton.next_power_of_2(D + 2), enable_fp_fusion=False, **launch_options(num_warps), **cfg)
     strides = logits.stride(0), logits.stride(1), stride_mb, stride_mn
     if not run.stochastic_drafts:
         _draws_kernel[(B,)](logits, mask, *run.links, *params, seed, offset, us, fscratch, iscratch, *outs, N, V, D,
