@@ -48,8 +48,10 @@ except Exception:  # noqa: BLE001 - any import failure means: no FlashInfer base
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 BASELINES = True  # --no-baselines: time our kernels only
 STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), None without Triton
+PROGRAMS_PER_SM = None  # programs the kernels' register limit fits on an SM (SPECSAMPLER_PROGRAMS_PER_SM)
 if triton_available():
     from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels.rows import PROGRAMS_PER_SM
     from specsampler.kernels.rows import STAGES as _STAGES
 
     STAGES = _STAGES.value
@@ -118,6 +120,7 @@ def record(op: str, device: torch.device, shape: dict, logits: torch.Tensor, our
            "shape": shape, "median_us": round(t * 1e6, 2), "floor_us": round(floor * 1e6, 2),
            "floor_ratio": round(t / floor, 3), "gbps": round(logits.numel() * logits.element_size() / t / 1e9, 1),
            "timing": mode, "copy_rate_tbps": round(rate / 1e12, 3), "pipeline_stages": STAGES,
+           "programs_per_sm": PROGRAMS_PER_SM,
            "flashinfer": getattr(flashinfer, "__version__", None), "baselines": {}, "baseline_us": {}}
     for name, fn in baselines.items() if BASELINES else ():
         try:
@@ -228,14 +231,19 @@ def tree_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
 
 
 def compare(paths: list[str]) -> None:
-    """Print the median of each record of several result files side by side (e.g. one file per
-    ``SPECSAMPLER_PIPELINE_STAGES``), with each file's ratio to the first."""
+    """Print the median of each record of several result files side by side (e.g. one file per setting of
+    ``SPECSAMPLER_PIPELINE_STAGES`` and ``SPECSAMPLER_PROGRAMS_PER_SM``), with each file's ratio to the first."""
     runs = []
     for path in paths:
         with open(path) as f:
             runs.append({(r["op"], json.dumps(r["shape"], sort_keys=True)): r for r in json.load(f)})
-    labels = [f"stages={next(iter(run.values())).get('pipeline_stages', '?')}" if run else path
-              for path, run in zip(paths, runs)]
+    def label(run: dict, path: str) -> str:
+        first = next(iter(run.values()), None)
+        if first is None:
+            return path
+        return f"stages={first.get('pipeline_stages', '?')} per_sm={first.get('programs_per_sm', '?')}"
+
+    labels = [label(run, path) for path, run in zip(paths, runs)]
     print(f"{'op':<26}{'shape':<82}" + "".join(f"{label:>22}" for label in labels))
     for key, first in runs[0].items():
         cells = []
@@ -269,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     rate = copy_rate(device, args.reps)
     print(f"{bench.device_name(device)}; copy rate {rate / 1e12:.2f} TB/s (read + write); "
           f"flashinfer {getattr(flashinfer, '__version__', 'not installed')}; "
-          f"backend {'triton' if use_triton(device) else 'torch'}; pipeline stages {STAGES}")
+          f"backend {'triton' if use_triton(device) else 'torch'}; pipeline stages {STAGES}; "
+          f"programs per SM {PROGRAMS_PER_SM}")
     print(f"{'op':<26}{'shape':<81}{'median us':>10}{'floor x':>8}  baselines (speedup)")
     records = []
     suites = {"chain": chain_records, "sampling": sampling_records, "tree": tree_records}

@@ -7,9 +7,11 @@
 #   bash benchmarks/gpu_session.sh exact   # the exactness Monte Carlo against the kernels, full size
 #   bash benchmarks/gpu_session.sh bench   # benchmarks/gpu.py -> $OUT/gpu-<device>.json (+ FlashInfer
 #                                          #   baselines when .flashinfer/ is carried: flashinfer_carry.sh)
-#   bash benchmarks/gpu_session.sh stages  # tuning: every benchmark shape, kernels only, at each pipelining
-#                                          #   depth of the passes over rows (SPECSAMPLER_PIPELINE_STAGES in
-#                                          #   $DEPTHS, default "1 2 4 6"), side by side -> $OUT/stages-<n>.json
+#   bash benchmarks/gpu_session.sh tune    # tuning: every benchmark shape, kernels only, under each setting
+#                                          #   of $SETTINGS (';'-separated lists of environment assignments;
+#                                          #   default: pipelining depth SPECSAMPLER_PIPELINE_STAGES 1 and 4 with
+#                                          #   one program per SM, SPECSAMPLER_PROGRAMS_PER_SM=1, then 4 and 6 with
+#                                          #   the default two), side by side -> $OUT/tune-<i>.json
 #                                          #   ($GPU_ARGS go to gpu.py: "--quick" is a smoke test on any device)
 #
 # Compiling is the slow part of a first run: each kernel variant (method, flags, dtypes, tuning, vocabulary
@@ -20,7 +22,7 @@
 # machine keeps for the next call (start it within the machine's 30 s of warmth): a `check` cut off by the
 # 10-minute limit goes on from its cache when run again.
 set -uo pipefail
-phase=${1:?check, exact, bench or stages}
+phase=${1:?check, exact, bench or tune}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -80,23 +82,25 @@ case "$phase" in
     name=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
     python3 benchmarks/gpu.py --out "$OUT/gpu-$name.json" 2>&1 | tee "$OUT/bench.log"
     ;;
-  stages)
-    depths=${DEPTHS:-1 2 4 6}
+  tune)
+    IFS=';' read -ra settings <<<"${SETTINGS:-SPECSAMPLER_PIPELINE_STAGES=1 SPECSAMPLER_PROGRAMS_PER_SM=1;\
+SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE_STAGES=4;SPECSAMPLER_PIPELINE_STAGES=6}"
     jobs=()
-    for d in $depths; do
+    for i in "${!settings[@]}"; do
       for part in chain sampling tree; do
-        jobs+=("compile-$d-$part" "SPECSAMPLER_PIPELINE_STAGES=$d python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 --no-baselines ${GPU_ARGS:-}")
+        jobs+=("compile-$i-$part" "env ${settings[$i]} python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 --no-baselines ${GPU_ARGS:-}")
       done
     done
-    parallel "$OUT/stages-compile.log" "${jobs[@]}"
-    tail -n 2 "$OUT/stages-compile.log"
+    parallel "$OUT/tune-compile.log" "${jobs[@]}"
+    tail -n 2 "$OUT/tune-compile.log"
     files=()
-    for d in $depths; do
-      SPECSAMPLER_PIPELINE_STAGES=$d python3 benchmarks/gpu.py --no-baselines ${GPU_ARGS:-} --out "$OUT/stages-$d.json" \
-        >>"$OUT/stages.log" 2>&1
-      files+=("$OUT/stages-$d.json")
+    for i in "${!settings[@]}"; do
+      echo "=== setting $i: ${settings[$i]}" | tee -a "$OUT/tune.log"
+      env ${settings[$i]} python3 benchmarks/gpu.py --no-baselines ${GPU_ARGS:-} --out "$OUT/tune-$i.json" \
+        >>"$OUT/tune.log" 2>&1
+      files+=("$OUT/tune-$i.json")
     done
-    python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/stages-compare.txt"
+    python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/tune-compare.txt"
     ;;
   *) echo "unknown phase: $phase" >&2; exit 2 ;;
 esac

@@ -66,7 +66,8 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
     common = [sys.executable, str(script), "--device", "cpu", "--quick", "--only", "sampling", "--reps", "1",
               "--inner", "1"]
     with_base, without = tmp_path / "a.json", tmp_path / "b.json"
-    env = {k: v for k, v in os.environ.items() if k != "SPECSAMPLER_PIPELINE_STAGES"}  # the default depth
+    env = {k: v for k, v in os.environ.items()  # the default settings
+           if k not in ("SPECSAMPLER_PIPELINE_STAGES", "SPECSAMPLER_PROGRAMS_PER_SM")}
     for out, extra in ((with_base, []), (without, ["--no-baselines"])):
         subprocess.run([*common, *extra, "--out", str(out)], check=True, capture_output=True, timeout=300, env=env)
     a, b = json.loads(with_base.read_text()), json.loads(without.read_text())
@@ -75,7 +76,7 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
                                        {"B": 16, "V": 32000, "top_k": 0, "top_p": 1.0},  # the diagnostics
                                        {"B": 16, "V": 32000, "greedy": True}]
     assert all(set(r["baselines"]) == {"torch"} for r in a) and all(r["baselines"] == {} for r in b)
-    assert a[0]["pipeline_stages"] == 4 and a[0]["median_us"] > 0
+    assert a[0]["pipeline_stages"] == 4 and a[0]["programs_per_sm"] == 2 and a[0]["median_us"] > 0
     shown = subprocess.run([sys.executable, str(script), "--compare", str(with_base), str(without)], check=True,
                            capture_output=True, text=True, timeout=120).stdout
-    assert "stages=4" in shown and "1.00x" in shown and "B=16 V=32000" in shown
+    assert "stages=4 per_sm=2" in shown and "1.00x" in shown and "B=16 V=32000" in shown
