@@ -133,3 +133,28 @@ def test_chain_from_logits_is_the_same_with_rows_described_in_parallel(dtype):
         outs = [kchain.verify_chain_from_logits(*args, method, *params, None, seed, offset, rows_in_parallel=mode)
                 for mode in (False, True)]
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), method
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_only_draws_are_the_sampling_kernels_tokens(dtype):
+    """target_only's draw at each position is sample_from_logits' for that row: two kernels compiled apart
+    (both without FMA contraction) that must round every sum alike, plain-temperature rows included."""
+    from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels import sampling as ksampling
+
+    B, K, V = 6, 4, 128256
+    logits, _, x, _ = _chain_inputs(B=B, K=K, V=V, seed=7)
+    rows = B * (K + 1)
+    g = torch.Generator().manual_seed(8)
+    params = (torch.rand(rows, generator=g) + 0.5, torch.tensor([50, 0, 0, 5000, 1] * rows)[:rows],
+              torch.tensor([0.95, 0.8, 1.0] * rows)[:rows], torch.tensor([0.0, 0.0, 0.0, 0.1] * rows)[:rows])
+    params = tuple(t.to(CUDA) for t in params)
+    logits = logits.to(CUDA, dtype)
+    seed, offset = torch.arange(B, device=CUDA), torch.full((B,), 3, dtype=torch.int64, device=CUDA)
+    tokens, n = kchain.verify_chain_from_logits(logits, x.to(CUDA), None, None, "target_only", *params, None, seed,
+                                                offset)
+    draws, _ = ksampling.sample_from_logits(logits.view(rows, V), *params, None, seed.repeat_interleave(K + 1),
+                                            offset.repeat_interleave(K + 1), torch.arange(K + 1, device=CUDA).repeat(B))
+    draws = draws.view(B, K + 1)
+    upto = torch.arange(K + 1, device=CUDA) <= n[:, None]
+    assert torch.equal(tokens[upto], draws[upto])
