@@ -306,7 +306,7 @@ def test_rows_described_in_parallel_give_the_same_chains_bit_for_bit(method, mon
         reads = row_reads(loaded, c.logits)
         described = torch.arange(K_MAX + 1) <= c.n[:, None]  # rows past num_drafts are not read at all
         assert reads[described].gt(0).all() and not reads[~described].gt(0).any()
-    # by size on a GPU of 132 SMs: at most two waves of rows; never in the interpreter
+    # by size on a GPU of 132 SMs: at most two rows per SM; never in the interpreter
     h100 = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
     gpu = torch.device("cuda")

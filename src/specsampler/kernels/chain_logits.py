@@ -7,7 +7,7 @@ the common cases, the kept tokens then held in registers) and walks its chain fr
 kernel of :mod:`specsampler.kernels.chain` does, so rows after the position where the request stops
 are never read (logits, mask or draft probabilities).
 
-Small batches on a GPU (``rows_in_parallel``: at most two waves of rows, one program per row) describe
+Small batches on a GPU (``rows_in_parallel``: at most two rows per SM, one program per row) describe
 every row of every request in parallel (:func:`_describe_rows_kernel`, the same code), and the chain
 kernel walks on the stored descriptors: one program per request would otherwise read its rows one
 after the other while most SMs idle. Rows past a request's stop are then read by that first kernel.
@@ -493,10 +493,10 @@ def verify_chain_from_logits(
 
 def rows_in_parallel_by_default(B: int, K1: int, device: torch.device) -> bool:
     """Whether ``B`` chains of ``K1`` rows describe their rows in a first, row-parallel kernel: on a GPU,
-    when the rows fill at most two waves of one program per SM. A request's program then walks in about
-    the time of one or two rows instead of one row per accepted draft, at the cost of reading the rows past
-    its stop, which the GPU (mostly idle at such sizes) has time for. Off a GPU (the interpreter) never:
-    there the rows past the stop would only cost time."""
+    when there are at most two rows per SM (one wave of the two programs an SM holds, ``launch_options``).
+    A request's program then walks in about the time of a row instead of one row per accepted draft, at the
+    cost of reading the rows past its stop, which the GPU (mostly idle at such sizes) has time for. Off a GPU
+    (the interpreter) never: there the rows past the stop would only cost time."""
     if device.type != "cuda":
         return False
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count >= B * K1
