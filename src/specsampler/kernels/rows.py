@@ -405,18 +405,23 @@ def _contribution(x, ids, m, inv_t, by_count, tau0, id0):
 @triton.jit
 def _above_pivots(logits_row, mask_row, V, m, inv_t, by_count, tau0, id0, pivots,
                   HAS_MASK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):
-    """One pass: for each pivot key, the contribution and the number of prefix tokens with key >= it."""
-    s = tl.zeros([NPIV], tl.float32)
-    cnt = tl.zeros([NPIV], tl.int32)
+    """One pass: for each pivot key, the contribution and the number of prefix tokens with key >= it.
+
+    Summed per token slot of the block and across the slots once, after the pass: an iteration then needs no
+    exchange between warps (two reductions of NPIV values per block made the pass issue-bound, several times
+    slower than the row's read); keys are compared as int32 (the pivots lie between two keys)."""
+    piv = pivots.to(tl.int32)[:, None]
+    s = tl.zeros([NPIV, SEARCH_BLOCK], tl.float32)  # pivots first: each thread compares its tokens with all
+    cnt = tl.zeros([NPIV, SEARCH_BLOCK], tl.int32)
     for start in tl.range(0, V, SEARCH_BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, SEARCH_BLOCK)
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         inside = in_prefix(x, offs, tau0, id0) & (offs < V)
         c = tl.where(offs < V, _contribution(x, offs, m, inv_t, by_count, tau0, id0), 0.0)
-        above = order_key(x)[:, None] >= pivots[None, :]
-        s += tl.sum(tl.where(above, c[:, None], 0.0), axis=0)
-        cnt += tl.sum((above & inside[:, None]).to(tl.int32), axis=0)
-    return s, cnt
+        above = order_key(x)[None, :] >= piv
+        s += tl.where(above, c[None, :], 0.0)
+        cnt += (above & inside[None, :]).to(tl.int32)
+    return tl.sum(s, axis=1), tl.sum(cnt, axis=1)
 
 
 @triton.jit
