@@ -71,6 +71,7 @@ _INT32_MIN = tl.constexpr(-(2**31))  # below every order key
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _EMPTY = tl.constexpr(-(2**63))  # an empty candidate slot: after every packed candidate (descending)
 _UNDERFLOW = tl.constexpr(110.0)  # exp(-110) rounds to 0 in float32: logits below m - 110 T weigh nothing
+_WIDE_KEYS = tl.constexpr(1 << 24)  # a key range over more than two binades: pivots go by value
 
 MAX_CHUNKS = 2048  # chunk maxima of one row are handled as one register tensor of at most this size
 
@@ -464,6 +465,15 @@ def select_pivot(logits_row, mask_row, V, m, inv_t, by_count, target, tau0, id0,
     j = tl.arange(0, NPIV) + 1
     while (hi > lo) & (n_lo - n_hi > CAND):
         pivots = lo + ((hi - lo) * j + NPIV - 1) // NPIV  # in (lo, hi], the last one = hi
+        # a range over several binades (or across 0) in even steps of value: even steps of key would spend
+        # most pivots on the many binades of small values, about a pass more on a wide nucleus
+        v_lo = key_value(lo)
+        v_hi = key_value(hi)
+        by_value = (hi - lo > _WIDE_KEYS) & (v_lo > float("-inf")) & (v_hi < float("inf"))
+        v_lo = tl.where(by_value, v_lo, 0.0)
+        step = tl.where(by_value, v_hi, 0.0) / NPIV - v_lo / NPIV  # no overflow
+        by_value_pivots = tl.minimum(tl.maximum(order_key(v_lo + step * j.to(tl.float32)).to(tl.int64), lo + 1), hi)
+        pivots = tl.where(by_value & (j < NPIV), by_value_pivots, pivots)
         s, cnt = _above_pivots(logits_row, mask_row, V, m, inv_t, by_count, tau0, id0, pivots,
                                HAS_MASK, SEARCH_BLOCK, NPIV)
         reach = s >= target
@@ -569,8 +579,12 @@ def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscr
                                                    id_cut, order_key(tau).to(tl.int64), max_key, iscratch_row,
                                                    HAS_MASK, CHUNK, BLOCK_CHUNKS, CAND, SEARCH_BLOCK, NPIV)
                 else:
-                    # a large nucleus; tokens below m - 110 T weigh nothing, so S(lo) is the row's mass
-                    lo = order_key(m - (1.0 / inv_t) * _UNDERFLOW).to(tl.int64)
+                    # a large nucleus. Tokens below m - s T weigh at most e^-s each: with s = ln(V / (1 - top_p)) + 1
+                    # they hold at most (1 - top_p) / e of the row's mass z (>= 1, the largest token's weight), so
+                    # S(lo) >= top_p z with a margin far above rounding when 1 - top_p >= 1e-3 (else s = 110:
+                    # below, every weight rounds to 0); a tighter bracket saves the search passes
+                    spread = tl.where(top_p <= 0.999, tl.log(V / (1.0 - top_p)) + 1.0, _UNDERFLOW)
+                    lo = order_key(m - (1.0 / inv_t) * tl.minimum(spread, _UNDERFLOW)).to(tl.int64)
                     tau, id_cut = select_pivot(logits_row, mask_row, V, m, inv_t, False, top_p * z_all,
                                                float("-inf"), V, lo, max_key, iscratch_row,
                                                HAS_MASK, CHUNK, BLOCK_CHUNKS, CAND, SEARCH_BLOCK, NPIV)
