@@ -43,20 +43,16 @@ def test_one_pipeline_stage_turns_the_asynchronous_copies_off(tmp_path):
     assert re.search(r"_spec_verify_kernel .* CP_ASYNC>=0\b", done.stdout), done.stdout
 
 
-def test_a_bad_pipeline_depth_is_a_clear_error():
-    env = {**os.environ, "SPECSAMPLER_PIPELINE_STAGES": "0"}
+@pytest.mark.parametrize("name, value, message", [
+    ("SPECSAMPLER_PIPELINE_STAGES", "0", "expected an integer >= 1, got '0'"),
+    ("SPECSAMPLER_PROGRAMS_PER_SM", "two", "expected an integer from 1 to 4, got 'two'"),
+])
+def test_a_bad_kernel_setting_is_a_clear_error(name, value, message):
+    env = {**os.environ, name: value}
     done = subprocess.run([sys.executable, "-c", "import specsampler.kernels.rows"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode != 0
-    assert "SPECSAMPLER_PIPELINE_STAGES: expected an integer >= 1, got '0'" in done.stderr, done.stderr[-2000:]
-
-
-def test_a_bad_programs_per_sm_is_a_clear_error():
-    env = {**os.environ, "SPECSAMPLER_PROGRAMS_PER_SM": "two"}
-    done = subprocess.run([sys.executable, "-c", "import specsampler.kernels.rows"], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode != 0
-    assert "SPECSAMPLER_PROGRAMS_PER_SM: expected an integer from 1 to 4, got 'two'" in done.stderr, done.stderr[-2000:]
+    assert f"{name}: {message}" in done.stderr, done.stderr[-2000:]
 
 
 def test_the_register_limit_fits_the_programs_per_sm(monkeypatch):

@@ -53,9 +53,10 @@ is at least the k-th largest chunk maximum ``c``; only the tokens ``>= c`` of th
 maximum is ``>= c`` are gathered (a few thousand reads), sorted in registers as packed 64-bit
 (logit key, id) pairs, and cut (top-p, min-p) there. Top-p alone first tries the same with (at
 least) the ``NUCLEUS`` most likely tokens; a nucleus not among them is found by a 16-ary search over the
-logits' order keys (one pass per step, each counting mass and tokens above 16 pivots) until at
-most ``CAND`` tokens remain undecided, which are then gathered and sorted (or, when they all tie,
-a pass over the ties in id order picks the cut).
+logits' order keys (one pass per step, each counting mass and tokens above 16 pivots, evenly spaced in
+value while the range spans several binades, from a bound below which the tokens cannot hold
+``1 - top_p`` of the mass) until at most ``CAND`` tokens remain undecided, which are then gathered and
+sorted (or, when they all tie, a pass over the ties in id order picks the cut).
 """
 
 from __future__ import annotations
