@@ -91,11 +91,11 @@ def test_the_launchers_ask_for_the_register_limit(monkeypatch):
         watch(kernel)
     B, K, V = 2, 2, 40
     logits = torch.randn(B, K + 1, V)
-    params = (torch.ones(B * (K + 1)), torch.full((B * (K + 1),), 5), torch.full((B * (K + 1),), 0.9),
-              torch.zeros(B * (K + 1)))
+    params = (torch.zeros(B * (K + 1)), torch.zeros(B * (K + 1), dtype=torch.int64), torch.ones(B * (K + 1)),
+              torch.zeros(B * (K + 1)))  # greedy rows: the launches are what is watched
     sampling.sample_from_logits(logits.view(-1, V), *params, u=torch.rand(B * (K + 1)))
-    chain_logits.verify_chain_from_logits(logits, torch.zeros(B, K, dtype=torch.int64), None, None, "target_only",
-                                          *params, u_sample=torch.rand(B, K + 1), rows_in_parallel=True)
+    chain_logits.verify_chain_from_logits(logits, torch.zeros(B, K, dtype=torch.int64), None, None, "greedy",
+                                          *params, rows_in_parallel=True)
     from specsampler.kernels.rows import launch_options
 
     expected = (8, launch_options(8).get("maxnreg"))  # 128 by default (the test above)
