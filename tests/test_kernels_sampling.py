@@ -193,6 +193,20 @@ def test_top_k_from_a_bound_more_chunks_reach_keeps_the_most_likely_tokens():
     _check(logits, params, "top-k bound from more chunks", None, 7, 64, 256)
 
 
+def test_candidate_lists_of_every_sort_size_draw_as_the_reference():
+    # candidates and kept tokens are sorted in 64, 128 or 256 slots (the fewest that hold them, cand 256): top-k
+    # on both sides of each size (chunks of 4: enough chunk maxima for a bound, the candidates in registers),
+    # fewer kept than candidates (top-p, min-p), each row drawn twice
+    g = torch.Generator().manual_seed(14)
+    top_k = torch.tensor([40, 64, 65, 128, 129, 200, 256, 250])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.3, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2])
+    logits = (torch.randn(len(top_k), 1200, generator=g) * 1.5).repeat_interleave(2, 0)
+    params = SP(temperature=torch.full((logits.shape[0],), 1.3), top_k=top_k.repeat_interleave(2),
+                top_p=top_p.repeat_interleave(2), min_p=min_p.repeat_interleave(2))
+    _check(logits, params, "candidate lists of every sort size", None, 8, 4, 256, "philox")
+
+
 def test_greedy_ties_across_tiles_and_chunks_go_to_the_lowest_id():
     # the first pass keeps a running maximum per chunk position of its 2048-token tiles (32 chunks of 64)
     # and reduces them once at the end: a tie in a later tile at an earlier position, or in the same

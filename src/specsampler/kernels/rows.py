@@ -43,20 +43,22 @@ row, the mask as uint8, True = allowed; ``HAS_MASK`` says whether there is one):
 
 Scratch (``row_scratch``): per program, reused row after row: ``fscratch`` float32 ``[3 * NCH_P2]``
 (chunk maxima, chunk sums of exp relative to the chunk maximum, kept chunk masses) and ``iscratch``
-int64 ``[2 * CAND]`` (packed candidates, chunk ids). The functions put ``tl.debug_barrier`` around
-it: call them from uniform control flow (a branch on row-level scalars is fine). ``row_config(V)``
-gives the constexprs; pass them by name (``**cfg``) to the kernel and on to ``describe_row`` / ``draw``.
+int64 ``[2 * CAND]`` (packed candidates, then the kept tokens for their sort by id; chunk ids). The
+functions put ``tl.debug_barrier`` around it: call them from uniform control flow (a branch on row-level
+scalars is fine). ``row_config(V)`` gives the constexprs; pass them by name (``**cfg``) to the kernel and
+on to ``describe_row`` / ``draw``.
 
 How (invariants are commented in the code): pass 1 takes the row max and argmax and stores the
 maxima (and, where needed, exp-sums) of chunks of ``CHUNK`` tokens. Top-k: the k-th largest logit
 is at least the k-th largest chunk maximum ``c``; only the tokens ``>= c`` of the chunks whose
 maximum is ``>= c`` are gathered (a few thousand reads), sorted in registers as packed 64-bit
-(logit key, id) pairs, and cut (top-p, min-p) there. Top-p alone first tries the same with (at
-least) the ``NUCLEUS`` most likely tokens; a nucleus not among them is found by a 16-ary search over the
-logits' order keys (one pass per step, each counting mass and tokens above 16 pivots, evenly spaced in
-value while the range spans several binades, from a bound below which the tokens cannot hold
-``1 - top_p`` of the mass) until at most ``CAND`` tokens remain undecided, which are then gathered and
-sorted (or, when they all tie, a pass over the ties in id order picks the cut).
+(logit key, id) pairs (in the fewest of 64, 128 or 256 slots that hold them), and cut (top-p, min-p)
+there. Top-p alone first tries the same with (at least) the ``NUCLEUS`` most likely tokens; a nucleus
+not among them is found by a 16-ary search over the logits' order keys (one pass per step, each counting
+mass and tokens above 16 pivots, evenly spaced in value while the range spans several binades, from a
+bound below which the tokens cannot hold ``1 - top_p`` of the mass) until at most ``CAND`` tokens remain
+undecided, which are then gathered and sorted (or, when they all tie, a pass over the ties in id order
+picks the cut).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ _NO_ID = tl.constexpr(2**31 - 1)  # padding id: after every token id
 _INT32_MIN = tl.constexpr(-(2**31))  # below every order key
 _INT32_MAX = tl.constexpr(2**31 - 1)
 _EMPTY = tl.constexpr(-(2**63))  # an empty candidate slot: after every packed candidate (descending)
+_NO_CAND = tl.constexpr((2**31 - 1) << 32)  # a kept-token slot without a token (id order): id _NO_ID, weight 0
 _UNDERFLOW = tl.constexpr(110.0)  # exp(-110) rounds to 0 in float32: logits below m - 110 T weigh nothing
 _WIDE_KEYS = tl.constexpr(1 << 24)  # a key range over more than two binades: pivots go by value
 
@@ -306,11 +309,37 @@ def append_candidates(iscratch_row, n, sel, key, ids, CAND: tl.constexpr):
 
 
 @triton.jit
+def _sort_in_place(iscratch_row, n, pad, SIZE: tl.constexpr, DESCENDING: tl.constexpr):
+    """Sort ``iscratch_row[:n]`` (int64, ``n <= SIZE``) in place, in registers of ``SIZE`` slots."""
+    j = tl.arange(0, SIZE)
+    v = tl.sort(tl.load(iscratch_row + j, mask=j < n, other=pad), descending=DESCENDING)
+    tl.debug_barrier()  # every thread has loaded before any stores
+    tl.store(iscratch_row + j, v, mask=j < n)
+
+
+@triton.jit
+def sorted_prefix(iscratch_row, n, pad, DESCENDING: tl.constexpr, CAND: tl.constexpr):
+    """``iscratch_row[:n]`` (int64, ``n <= CAND``, stored before a barrier) sorted, then ``pad`` (which sorts
+    after them): ``[CAND]``; rewrites ``iscratch_row[:n]``. Sorted in ``CAND / 4`` or ``CAND / 2`` slots when
+    ``n`` fits, then read back at full size: a sort's steps and barriers grow with its size (sm_90, 8 warps,
+    loading, sorting and storing 64 int64: 248 instructions, 2 barriers; 256: 456 and 17), and a top-k of
+    50 or its kept tokens nearly always fit in 64."""
+    if n <= CAND // 4:
+        _sort_in_place(iscratch_row, n, pad, CAND // 4, DESCENDING)
+    elif n <= CAND // 2:
+        _sort_in_place(iscratch_row, n, pad, CAND // 2, DESCENDING)
+    else:
+        _sort_in_place(iscratch_row, n, pad, CAND, DESCENDING)
+    tl.debug_barrier()
+    j = tl.arange(0, CAND)
+    return tl.load(iscratch_row + j, mask=j < n, other=pad)
+
+
+@triton.jit
 def sorted_candidates(iscratch_row, n, CAND: tl.constexpr):
     """The first ``n`` packed candidates, sorted in order (logit desc, id asc), then empty slots;
     unpacked: (ids int32, logits float32) ``[CAND]``."""
-    j = tl.arange(0, CAND)
-    packed = tl.sort(tl.load(iscratch_row + j, mask=j < n, other=_EMPTY), descending=True)
+    packed = sorted_prefix(iscratch_row, n, _EMPTY, True, CAND)
     ids = (packed & _INT32_MAX).to(tl.int32) ^ _INT32_MAX
     return ids, key_value((packed >> 32).to(tl.int32))
 
@@ -363,7 +392,7 @@ def top_candidates(logits_row, mask_row, V, k, fscratch_row, iscratch_row, HAS_M
 
 
 @triton.jit
-def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, CAND: tl.constexpr):
+def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, iscratch_row, CAND: tl.constexpr):
     """Top-p and min-p among the first ``limit`` candidates (in order): the top-k set, or (top-p alone)
     the most likely tokens. The top-p target is ``top_p`` times their own mass if ``own_mass``, else
     times ``z_all``, the row's mass.
@@ -384,9 +413,14 @@ def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, CAND:
     kept_w = tl.where(keep, w, 0.0)
     tau = tl.sum(tl.where(j == last, x, 0.0), axis=0)
     id_cut = tl.sum(tl.where(j == last, ids, 0), axis=0)
-    # the kept tokens in id order, each with its weight (non-negative float32 bits, below 2**31)
-    packed = (tl.where(keep, ids, _NO_ID).to(tl.int64) << 32) | kept_w.to(tl.int32, bitcast=True).to(tl.int64)
-    packed = tl.sort(packed)
+    # the kept tokens in id order, each with its weight (non-negative float32 bits, below 2**31), sorted from
+    # the start of the scratch (a NaN logit, first in order, is not kept: the kept ones are packed there)
+    packed = (ids.to(tl.int64) << 32) | kept_w.to(tl.int32, bitcast=True).to(tl.int64)
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.debug_barrier()  # the candidates have been read
+    tl.store(iscratch_row + pos, packed, mask=keep)
+    tl.debug_barrier()
+    packed = sorted_prefix(iscratch_row, tl.sum(keep.to(tl.int32), axis=0), _NO_CAND, False, CAND)
     cand_ids = (packed >> 32).to(tl.int32)
     cand_w = (packed & _INT32_MAX).to(tl.int32).to(tl.float32, bitcast=True)
     reached = (top_p >= 1.0) | (mass >= target)
@@ -560,7 +594,7 @@ def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscr
             if ok:
                 ids, x = sorted_candidates(iscratch_row, n, CAND)
                 reached, r_tau, r_id_cut, r_z, r_ids, r_w = cut_candidates(
-                    ids, x, tl.where(top_k_on, k, n), m, inv_t, top_k_on, top_p, w_min, z_all, CAND)
+                    ids, x, tl.where(top_k_on, k, n), m, inv_t, top_k_on, top_p, w_min, z_all, iscratch_row, CAND)
                 if reached:
                     tau = r_tau
                     id_cut = r_id_cut
