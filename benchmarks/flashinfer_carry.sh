@@ -8,7 +8,8 @@
 #
 #   bash benchmarks/flashinfer_carry.sh [DIR]    # DIR defaults to .flashinfer (git-ignored)
 #
-# On the GPU machine (nvcc and ninja are there; the first call JIT-compiles the sampling module):
+# On the GPU machine `benchmarks/gpu_session.sh bench` unpacks it and JIT-compiles the sampling module (nvcc and
+# ninja are there; it also finds the CUDA headers and libraries the module needs). By hand:
 #   tar xzf DIR/flashinfer.tgz -C /tmp/fi && python3 -m pip install -q --no-index --no-deps \
 #     --target /tmp/fi DIR/apache_tvm_ffi-*.whl && export PYTHONPATH=/tmp/fi
 set -euo pipefail

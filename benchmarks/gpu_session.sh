@@ -48,6 +48,47 @@ parallel() {
   return $status
 }
 
+# FlashInfer from the carried pack (benchmarks/flashinfer_carry.sh), unpacked to /tmp/fi, its JIT cache under
+# .flashinfer/cache (kept on a warm machine). Its sampling kernels are compiled on first use (nvcc, ninja;
+# MAX_JOBS in parallel); they include <curand.h> and link -lcudart -lcuda from $CUDA_HOME/lib64(/stubs).
+# A CUDA 13 toolkit assembled from wheels, as on this project's CPU machines, had neither curand.h nor
+# stubs, and FlashInfer takes CUDA_HOME to be the folder above the one holding nvcc (a wrapper script there).
+# So CUDA_HOME is where nvcc says it lives, curand.h comes from the nvidia-curand wheel where the toolkit
+# lacks it (CPATH, read by nvcc's host compiler), and libcudart / libcuda are linked against the files the
+# process has loaded after a CUDA call (LIBRARY_PATH, read by the linker).
+export FI_BUILD="import time; t = time.time(); from flashinfer.jit.sampling import gen_sampling_module as g; \
+g().build_and_load(); print(f'FlashInfer sampling module built and loaded in {time.time() - t:.0f} s')"
+flashinfer_setup() {
+  mkdir -p /tmp/fi .flashinfer/cache /tmp/fi-lib
+  tar xzf .flashinfer/flashinfer.tgz -C /tmp/fi
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fi .flashinfer/apache_tvm_ffi-*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/fi" FLASHINFER_WORKSPACE_BASE=$PWD/.flashinfer/cache MAX_JOBS=${MAX_JOBS:-16}
+  if [ -z "${CUDA_HOME:-}" ]; then
+    CUDA_HOME=$(realpath "$(nvcc --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p')")
+    export CUDA_HOME
+  fi
+  if [ ! -f "$CUDA_HOME/include/curand.h" ]; then
+    CPATH=$(python3 -c "import glob, nvidia; print(':'.join(sorted({p[:-len('/curand.h')] for d in nvidia.__path__
+for p in glob.glob(d + '/*/include/curand.h')})))")${CPATH:+:$CPATH}
+    export CPATH
+  fi
+  python3 - <<'PY'
+import os, torch
+torch.zeros(1, device="cuda")  # loads the driver and runtime libraries
+loaded = [line.split()[-1] for line in open("/proc/self/maps") if "/lib" in line]
+home = os.environ["CUDA_HOME"]
+for lib in ("libcudart.so", "libcuda.so"):
+    if any(os.path.exists(f"{home}/{d}/{lib}") for d in ("lib64", "lib64/stubs")):
+        continue
+    path = next((p for p in loaded if os.path.basename(p).startswith(lib)), None)
+    if path and not os.path.lexists(f"/tmp/fi-lib/{lib}"):
+        os.symlink(path, f"/tmp/fi-lib/{lib}")
+PY
+  export LIBRARY_PATH="/tmp/fi-lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  { echo "CUDA_HOME=$CUDA_HOME CPATH=${CPATH:-}"; ls -l /tmp/fi-lib | tail -n +2
+    python3 -c "import flashinfer.sampling" 2>&1 | tail -3; } | tee "$OUT/flashinfer.log"
+}
+
 case "$phase" in
   check)
     # the kernel tests launch ~360 distinct kernel specialisations (shapes, dtypes, flags, tuning; counted
@@ -67,14 +108,13 @@ case "$phase" in
       tests/test_mlc_sampler.py tests/test_mlc_verify.py 2>&1 | tee "$OUT/exact.log"
     ;;
   bench)
+    fi_job=()
     if [ -f .flashinfer/flashinfer.tgz ]; then
-      mkdir -p /tmp/fi && tar xzf .flashinfer/flashinfer.tgz -C /tmp/fi \
-        && python3 -m pip install -q --no-index --no-deps --target /tmp/fi .flashinfer/apache_tvm_ffi-*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/fi"
-      python3 -c "import flashinfer.sampling" 2>&1 | tail -3 | tee "$OUT/flashinfer.log"
+      flashinfer_setup
+      fi_job=(flashinfer 'python3 -c "$FI_BUILD"')
     fi
-    # compile every variant (ours and FlashInfer's JIT) in parallel with one untimed pass per part
-    parallel "$OUT/bench-compile.log" \
+    # compile every variant in parallel with one untimed pass per part, and FlashInfer's sampling module
+    parallel "$OUT/bench-compile.log" "${fi_job[@]}" \
       chain "python3 benchmarks/gpu.py --only chain --reps 1 --inner 1" \
       sampling "python3 benchmarks/gpu.py --only sampling --reps 1 --inner 1" \
       tree "python3 benchmarks/gpu.py --only tree --reps 1 --inner 1"
