@@ -47,6 +47,7 @@ except Exception:  # noqa: BLE001 - any import failure means: no FlashInfer base
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 BASELINES = True  # --no-baselines: time our kernels only
+CHAIN_VOCABS: list[int] | None = None  # --chain-vocab: the chain shapes of these vocabulary sizes only
 STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), None without Triton
 PROGRAMS_PER_SM = None  # programs the kernels' register limit fits on an SM (SPECSAMPLER_PROGRAMS_PER_SM)
 if triton_available():
@@ -138,6 +139,7 @@ def record(op: str, device: torch.device, shape: dict, logits: torch.Tensor, our
 
 def chain_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
     grid = [(32, 4, 32000)] if quick else [(B, K, V) for V in (128256, 200064) for K in (4, 8) for B in (1, 32, 128)]
+    grid = [(B, K, V) for B, K, V in grid if CHAIN_VOCABS is None or V in CHAIN_VOCABS]
     return [rec for B, K, V in grid for rec in chain_shape(device, g, gd, rate, reps, inner, B, K, V)]
 
 
@@ -256,7 +258,7 @@ def compare(paths: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global BASELINES
+    global BASELINES, CHAIN_VOCABS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
@@ -265,12 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("chain", "sampling", "tree"), action="append")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--no-baselines", action="store_true", help="time the kernels only (tuning runs)")
+    p.add_argument("--chain-vocab", type=int, action="append", metavar="V",
+                   help="only the chain shapes of this vocabulary size (repeatable): compile passes split by it")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="print these result files side by side, run nothing")
     args = p.parse_args(argv)
     if args.compare:
         compare(args.compare)
         return 0
     BASELINES = not args.no_baselines
+    CHAIN_VOCABS = args.chain_vocab
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     gd = torch.Generator(device=device).manual_seed(1)

@@ -113,9 +113,11 @@ case "$phase" in
       flashinfer_setup
       fi_job=(flashinfer 'python3 -c "$FI_BUILD"')
     fi
-    # compile every variant in parallel with one untimed pass per part, and FlashInfer's sampling module
+    # compile every variant in parallel with one untimed pass per part (the chains per vocabulary: five
+    # variants each), and FlashInfer's sampling module
     parallel "$OUT/bench-compile.log" "${fi_job[@]}" \
-      chain "python3 benchmarks/gpu.py --only chain --reps 1 --inner 1" \
+      chain-128k "python3 benchmarks/gpu.py --only chain --chain-vocab 128256 --reps 1 --inner 1" \
+      chain-200k "python3 benchmarks/gpu.py --only chain --chain-vocab 200064 --reps 1 --inner 1" \
       sampling "python3 benchmarks/gpu.py --only sampling --reps 1 --inner 1" \
       tree "python3 benchmarks/gpu.py --only tree --reps 1 --inner 1"
     tail -n 2 "$OUT/bench-compile.log"
@@ -127,8 +129,8 @@ case "$phase" in
 SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE_STAGES=4;SPECSAMPLER_PIPELINE_STAGES=6}"
     jobs=()
     for i in "${!settings[@]}"; do
-      for part in chain sampling tree; do
-        jobs+=("compile-$i-$part" "env ${settings[$i]} python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 --no-baselines ${GPU_ARGS:-}")
+      for part in "chain --chain-vocab 128256" "chain --chain-vocab 200064" sampling tree; do
+        jobs+=("compile-$i-${part// /-}" "env ${settings[$i]} python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 --no-baselines ${GPU_ARGS:-}")
       done
     done
     parallel "$OUT/tune-compile.log" "${jobs[@]}"

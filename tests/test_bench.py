@@ -80,3 +80,10 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
     shown = subprocess.run([sys.executable, str(script), "--compare", str(with_base), str(without)], check=True,
                            capture_output=True, text=True, timeout=120).stdout
     assert "stages=4 per_sm=2" in shown and "1.00x" in shown and "B=16 V=32000" in shown
+    # --chain-vocab: the chain shapes of that vocabulary only (gpu_session.sh splits its compile passes by it)
+    for vocab, methods in (("32000", ["token", "target_only"]), ("1000", [])):
+        out = tmp_path / f"chain-{vocab}.json"
+        subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick", "--only", "chain", "--reps", "1",
+                        "--inner", "1", "--no-baselines", "--chain-vocab", vocab, "--out", str(out)], check=True,
+                       capture_output=True, timeout=300, env=env)
+        assert [r["shape"]["method"] for r in json.loads(out.read_text())] == methods
