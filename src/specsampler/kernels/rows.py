@@ -395,7 +395,7 @@ def top_candidates(logits_row, mask_row, V, k, fscratch_row, iscratch_row, HAS_M
 def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, iscratch_row, CAND: tl.constexpr):
     """Top-p and min-p among the first ``limit`` candidates (in order): the top-k set, or (top-p alone)
     the most likely tokens. The top-p target is ``top_p`` times their own mass if ``own_mass``, else
-    times ``z_all``, the row's mass.
+    times ``z_all``, the row's mass. The kept tokens are sorted by id in ``iscratch_row`` (rewritten).
 
     Returns (reached, tau, id_cut, z, cand_ids, cand_w): reached = the prefix reaching the target lies
     among the candidates (always with own_mass or top_p >= 1); the kept tokens in id order.
