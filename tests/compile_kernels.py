@@ -116,9 +116,9 @@ def chains(V, dtype):
             chain.verify_chain(p, x, q, n, method, *rnd)
             for masked in (False, True):
                 mask = torch.rand(B, K + 1, V) < 0.5 if masked else None
-                for rows_in_parallel in (False, True):
+                for rows_in_parallel, parts in ((False, 0), (True, 0), (True, 2)):  # parts: scan_parts first
                     chain_logits.verify_chain_from_logits(p, x, q, n, method, *_params(B * (K + 1)), mask, *rnd,
-                                                          rows_in_parallel=rows_in_parallel)
+                                                          rows_in_parallel=rows_in_parallel, parts=parts)
 
 
 def trees(V, dtype):
@@ -146,7 +146,8 @@ def samplers(V, dtype):
         rnd = ((torch.arange(R), torch.zeros(R, dtype=torch.int64), torch.arange(R), None) if philox
                else (None, None, None, torch.rand(R)))
         for mask in (None, torch.rand(R, V) < 0.5):
-            sampling.sample_from_logits(logits, *_params(R), mask, *rnd)
+            for parts in (0, 2):  # 2: scan_parts first
+                sampling.sample_from_logits(logits, *_params(R), mask, *rnd, parts=parts)
         sampling.sample(logits.float().softmax(-1).to(dtype), *rnd)
 
 

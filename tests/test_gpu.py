@@ -158,3 +158,37 @@ def test_target_only_draws_are_the_sampling_kernels_tokens(dtype):
     draws = draws.view(B, K + 1)
     upto = torch.arange(K + 1, device=CUDA) <= n[:, None]
     assert torch.equal(tokens[upto], draws[upto])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_passes_split_over_programs_change_no_token(dtype):
+    """Small batches split each row's first pass over several programs (scan_parts, then one program per row):
+    compiled apart from the kernels' own first pass, it must give the same results bit for bit (sampling at
+    B=1 and 5, a chain at B=1 for every method)."""
+    from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels import sampling as ksampling
+    from specsampler.kernels.rows import parts_per_row, row_config
+
+    V = 128256
+    g = torch.Generator().manual_seed(9)
+    assert parts_per_row(1, V, row_config(V), torch.device(CUDA)) >= 2
+    for R in (1, 5):
+        logits = (torch.randn(R, V, generator=g) * 4).to(CUDA, dtype)
+        params = tuple(t[:R].to(CUDA) for t in (torch.tensor([1.0, 0.0, 0.7, 1.2, 1.0]), torch.tensor([50, 0, 0, 0, 5]),
+                                                   torch.tensor([0.95, 1.0, 0.9, 1.0, 1.0]),
+                                                   torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0])))
+        u = torch.rand(R, generator=g).to(CUDA)
+        whole = ksampling.sample_from_logits(logits, *params, u=u, parts=0)
+        split = ksampling.sample_from_logits(logits, *params, u=u)
+        assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1]), f"sampling R={R}"
+    logits, _, x, q = _chain_inputs(B=1, K=4, V=V, seed=10)
+    params = (torch.tensor([1.0, 0.8, 1.0, 1.2, 0.9]), torch.tensor([50, 50, 0, 0, 50]),
+              torch.tensor([0.95, 0.95, 0.9, 1.0, 1.0]), torch.zeros(5))
+    params = tuple(t.to(CUDA) for t in params)
+    seed, offset = torch.arange(1, device=CUDA), torch.zeros(1, dtype=torch.int64, device=CUDA)
+    for method in kchain.METHODS:
+        qm = q.to(CUDA) if method in ("token", "block") else None
+        args = (logits.to(CUDA, dtype), x.to(CUDA), qm, None, method, *params, None, seed, offset)
+        whole = kchain.verify_chain_from_logits(*args, rows_in_parallel=True, parts=0)
+        split = kchain.verify_chain_from_logits(*args, rows_in_parallel=True)
+        assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1]), method

@@ -122,7 +122,7 @@ def _row_params(params: SP, B: int, K1: int) -> tuple:
     return rp.temperature, rp.top_k, rp.top_p, rp.min_p
 
 
-def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False, rows_in_parallel=False):
+def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False, rows_in_parallel=False, **tuning):
     """The kernel with rng a Philox, or a torch.Generator whose uniforms are drawn here as the reference draws
     them (STREAM_SAMPLE [B, K+1], then STREAM_ACCEPT for token and block). The mask is passed as a strided
     [B, K+1, V] view, or (flat_mask) copied to [B * (K+1), V]. By default the chain kernel describes the
@@ -139,7 +139,7 @@ def _kernel(c: Case, method, rng, cfg=CONFIGS[0], block_v=64, flat_mask=False, r
         u_accept = torch.rand(B, K1, generator=rng).to(DEVICE) if method in SAMPLED else None
     return kchain.verify_chain_from_logits(c.logits, c.x, c.q, c.n, method, *_row_params(c.params, B, K1), mask, seed,
                                            offset, u_accept, u_sample, block_v=block_v, chunk=cfg[0], cand=cfg[1],
-                                           rows_in_parallel=rows_in_parallel)
+                                           rows_in_parallel=rows_in_parallel, **tuning)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -290,15 +290,19 @@ def test_rows_described_in_parallel_give_the_same_chains_bit_for_bit(method, mon
     """The small-batch mode (every row described by a first kernel, the chain kernel walking on the stored
     descriptors) against the chain kernel describing its rows itself: the same tokens, on every path of the
     row descriptor (kept tokens in registers or not, draws from chunk masses), shorter chains (rows past
-    num_drafts are not described), masks; and the launcher's choice by size."""
+    num_drafts are not described), masks, rows whose first pass is split over several programs; and the
+    launcher's choice by size."""
     g = torch.Generator().manual_seed(450 + METHODS.index(method))
     for case in range(3):
         B, K, V = chain_shape(g, 5, K_MAX)
         c = to_device(_case(g, method, B, K, V, ("normal", "ties", "peaked")[case]))
         rng = ss.Philox(torch.randint(0, 2**62, (B,), generator=g).to(DEVICE), case)
-        alone = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=False)
-        both = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=True)
+        alone = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=False, tile=64)
+        both = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=True, tile=64, parts=0)
         assert torch.equal(alone[0], both[0]) and torch.equal(alone[1], both[1]), f"{method} case {case}"
+        # each row's first pass split over 3 programs (scan_parts; tiles of 64 tokens: up to 5 a row)
+        split = _kernel(c, method, rng, CONFIGS[case], rows_in_parallel=True, tile=64, parts=3)
+        assert torch.equal(alone[0], split[0]) and torch.equal(alone[1], split[1]), f"{method} case {case}, parts"
     if os.environ.get("TRITON_INTERPRET") == "1":  # loads are recorded in the interpreter
         c, r = _stopping_case(g, method, 5, K_MAX, 100)
         with recorded_loads(monkeypatch) as loaded:

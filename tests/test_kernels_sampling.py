@@ -9,6 +9,7 @@ registers, the pivot search, the pass over ties) on small vocabularies.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 import specsampler as ss
 from specsampler import SamplingParams as SP
 from specsampler.kernels import sampling as ksampling
+from specsampler.kernels.rows import parts_per_row, row_config
 from specsampler.rng import STREAM_SAMPLE, uniform
 
 VOCABS = [1, 2, 5, 17, 64, 65, 100, 130, 257, 300]
@@ -205,6 +207,41 @@ def test_candidate_lists_of_every_sort_size_draw_as_the_reference():
     params = SP(temperature=torch.full((logits.shape[0],), 1.3), top_k=top_k.repeat_interleave(2),
                 top_p=top_p.repeat_interleave(2), min_p=min_p.repeat_interleave(2))
     _check(logits, params, "candidate lists of every sort size", None, 8, 4, 256, "philox")
+
+
+def test_rows_scanned_in_parts_draw_the_same_tokens_bit_for_bit(monkeypatch):
+    # small batches on a GPU split each row's first pass over several programs (scan_parts), then one program
+    # per row finishes it: the same tokens and logprobs bit for bit as one program per row, on every path
+    # (greedy, top-k, nuclei in registers or searched, min-p, plain, masked rows, ties across the parts,
+    # bf16), with parts of several tiles, of one, and empty ones (more parts than tiles)
+    g = torch.Generator().manual_seed(15)
+    V = 300
+    logits = torch.randn(9, V, generator=g) * 2
+    logits[1, [30, 150, 290]] = 9.0  # the max tied in three parts: the lowest id
+    logits[2, 250] = 12.0  # the max in the last part
+    logits[8] = torch.randint(-3, 3, (V,), generator=g).float()  # ties at every cut
+    mask = torch.rand(9, V, generator=g) < 0.8
+    mask[5] = False  # no allowed token: draws 0
+    params = SP(temperature=torch.tensor([1.0, 0.0, 0.0, 0.8, 1.2, 1.0, 0.9, 1.1, 1.0]),
+                top_k=torch.tensor([5, 0, 0, 0, 3, 0, 0, 40, 7]),
+                top_p=torch.tensor([0.9, 1.0, 1.0, 0.95, 1.0, 1.0, 0.5, 1.0, 0.6]),
+                min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.2, 0.0, 0.0]))
+    seed, offset = ss.Philox(torch.arange(9) + 40).keys("test", 9, logits.device)
+    for dtype, vocab_mask in ((torch.float32, None), (torch.bfloat16, mask)):
+        rows = logits.to(dtype)
+        args = (rows, *_row_params(params, 9, 1), None if vocab_mask is None else vocab_mask.contiguous(), seed,
+                offset, torch.zeros(9, dtype=torch.int64))
+        whole = ksampling.sample_from_logits(*args, chunk=8, cand=16, tile=64, parts=0)
+        for parts in (2, 7):  # 5 tiles of 64: parts of 3 and 2 tiles; of one tile, and two empty parts
+            split = ksampling.sample_from_logits(*args, chunk=8, cand=16, tile=64, parts=parts)
+            assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1]), f"{dtype} parts {parts}"
+    assert whole[0][5] == 0 and whole[1][5] == float("-inf")  # the masked row (last case)
+    # by size on a GPU of 132 SMs (two programs each): parts that fill the 264 slots, at most one per tile
+    h100 = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
+    cfg, gpu = row_config(128256), torch.device("cuda")
+    assert [parts_per_row(rows, 128256, cfg, gpu) for rows in (1, 5, 64, 132, 133)] == [63, 52, 4, 2, 0]
+    assert parts_per_row(1, 128256, cfg, torch.device("cpu")) == 0
 
 
 def test_greedy_ties_across_tiles_and_chunks_go_to_the_lowest_id():

@@ -11,6 +11,8 @@ Small batches on a GPU (``rows_in_parallel``: at most two rows per SM, one progr
 every row of every request in parallel (:func:`_describe_rows_kernel`, the same code), and the chain
 kernel walks on the stored descriptors: one program per request would otherwise read its rows one
 after the other while most SMs idle. Rows past a request's stop are then read by that first kernel.
+With fewer rows than the GPU's program slots (e.g. B=1: 5 or 9 rows), each row's first pass is split
+over several programs before that (:func:`specsampler.kernels.rows.scan_parts`), with the same results.
 
 - ``token``: per position, the row's descriptor and ``p_i(x_i)`` (from the registers, or one
   logit), ``q_i(x_i)``; at the stop position the residual ``max(p - q, 0)`` (or ``p``): built from
@@ -56,12 +58,16 @@ from .common import (
 )
 from .rows import (
     STAGES,
+    combine_parts,
+    describe_row_in_parts,
     draw,
     kept_weights,
     launch_options,
     load_logits,
+    parts_per_row,
     row_config,
     row_scratch,
+    scan_parts,
     scan_row,
     token_weight,
 )
@@ -187,7 +193,7 @@ def _store_descriptor(desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, r, m, in
 @triton.jit
 def _describe_rows_kernel(
     logits_ptr, mask_ptr, nd_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, fscratch_ptr, iscratch_ptr,
+    desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, fscratch_ptr, iscratch_ptr, part_m_ptr, part_arg_ptr, parts,
     K, V, stride_lb, stride_lk, stride_mb, stride_mk,
     GREEDY: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
     NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
@@ -196,7 +202,8 @@ def _describe_rows_kernel(
     """The first phase of a small batch (``rows_in_parallel``): program ``r`` describes row ``i = r % (K+1)``
     of request ``b = r // (K+1)`` if the request has it (``i <= num_drafts[b]``), with the code the chain
     kernel runs itself otherwise, and stores the descriptor (:func:`_store_descriptor`; greedy: the argmax)
-    and, in ``fscratch`` row ``r``, the chunk masses that a draw reads."""
+    and, in ``fscratch`` row ``r``, the chunk masses that a draw reads. With ``parts > 0``, pass 1 over the
+    rows was split into that many programs each (:func:`specsampler.kernels.rows.scan_parts`)."""
     r = tl.program_id(0).to(tl.int64)
     b = r // (K + 1)
     i = r % (K + 1)
@@ -205,12 +212,17 @@ def _describe_rows_kernel(
         mask_row = mask_ptr + b * stride_mb + i * stride_mk
         fscratch_row = fscratch_ptr + r * (3 * NCH_P2)
         if GREEDY:
-            _, arg = scan_row(logits_row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+            if parts > 0:
+                _, arg = combine_parts(part_m_ptr + r * parts, part_arg_ptr + r * parts, parts, V)
+            else:
+                _, arg = scan_row(logits_row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS,
+                                  NCH_P2)
             tl.store(desc_i_ptr + 2 * r, arg)
         else:
-            m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe(
-                logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_ptr + r * (2 * CAND), HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP,
+            m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row_in_parts(
+                logits_row, mask_row, V, tl.load(temperature_ptr + r), tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
+                tl.load(min_p_ptr + r), fscratch_row, iscratch_ptr + r * (2 * CAND), part_m_ptr + r * parts,
+                part_arg_ptr + r * parts, parts, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP,
                 SEARCH_BLOCK, NPIV)
             _store_descriptor(desc_f_ptr, desc_i_ptr, cand_ids_ptr, cand_w_ptr, r, m, inv_t, tau, id_cut, w_min, z,
                               in_regs, cand_ids, cand_w, CAND)
@@ -404,7 +416,9 @@ def verify_chain_from_logits(
     block_v: int = 4096,
     chunk: int = 64,
     cand: int = 256,
+    tile: int = 2048,
     rows_in_parallel: bool | None = None,
+    parts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Process the target logits per row and verify one draft chain per request (the kernel of
     :func:`specsampler.verify_chain_from_logits`).
@@ -432,7 +446,8 @@ def verify_chain_from_logits(
         u_sample: float32 ``[B, K+1]``: ``STREAM_SAMPLE`` uniforms by position; needed by all methods but
             ``greedy``.
         block_v: vocabulary entries per block of the residual passes at most (a power of 2).
-        chunk, cand: tuning of the row descriptors (see :func:`specsampler.kernels.rows.row_config`);
+        chunk, cand, tile: tuning of the row descriptors (see :func:`specsampler.kernels.rows.row_config`, whose
+            ``block`` is ``tile``);
             keep the defaults of :func:`specsampler.kernels.sampling.sample_from_logits` for ``target_only``
             to draw its tokens bit for bit.
         rows_in_parallel: describe every row a request has in a first kernel, one program per row, before
@@ -440,6 +455,10 @@ def verify_chain_from_logits(
             the GPU idle; rows past the stop are then read too). False: the chain kernel describes each row
             it reaches and reads no row past the stop. None: :func:`rows_in_parallel_by_default`. The
             results are the same either way (the same code describes a row).
+        parts: with rows in parallel, split each row's first pass over this many programs (a kernel before
+            them, :func:`specsampler.kernels.rows.scan_parts`); 0: none; None:
+            :func:`specsampler.kernels.rows.parts_per_row` (fewer rows than a GPU's program slots, e.g. B=1).
+            The results are the same bit for bit.
     Returns:
         tokens: int64 ``[B, K+1]``: accepted drafts, then one correction or bonus token, then -1.
         num_accepted: int64 ``[B]``.
@@ -461,7 +480,7 @@ def verify_chain_from_logits(
     mask, stride_mb, stride_mk = mask_strides(vocab_mask, logits)
     n = draft_counts(num_drafts, B, K, dev)
     seed, offset, ua, us = randomness(seed, offset, u_accept, u_sample, B, dev, unused=logits)
-    cfg = row_config(V, chunk=chunk, cand=cand)
+    cfg = row_config(V, chunk=chunk, cand=cand, block=tile)
     params = (temperature.contiguous(), top_k.contiguous(), top_p.contiguous(), min_p.contiguous())
     # a fused multiply-add would round otherwise than torch (a * p - q) and than the sampling kernel
     meta = dict(HAS_MASK=vocab_mask is not None, enable_fp_fusion=False, **launch_options(8), **cfg)
@@ -473,8 +492,14 @@ def verify_chain_from_logits(
         desc_i = torch.empty(R, 2, dtype=torch.int32, device=dev)
         cand_ids = torch.empty(R, cfg["CAND"], dtype=torch.int32, device=dev)
         cand_w = torch.empty(R, cfg["CAND"], dtype=torch.float32, device=dev)
+        parts = parts_per_row(R, V, cfg, dev) if parts is None else parts
+        part_m, part_arg = fscratch, fscratch  # not read without parts
+        if parts > 0:
+            part_m, part_arg = scan_parts(logits, (logits.stride(0), logits.stride(1)), mask, (stride_mb, stride_mk),
+                                          n, params[0], params[1], fscratch, R, K1, parts, vocab_mask is not None, cfg,
+                                          greedy=method == "greedy")
         _describe_rows_kernel[(R,)](
-            logits, mask, n, *params, desc_f, desc_i, cand_ids, cand_w, fscratch, iscratch,
+            logits, mask, n, *params, desc_f, desc_i, cand_ids, cand_w, fscratch, iscratch, part_m, part_arg, parts,
             K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, GREEDY=method == "greedy", **meta)
     else:
         fscratch, iscratch = row_scratch(B, cfg, dev)

@@ -31,6 +31,10 @@ row, the mask as uint8, True = allowed; ``HAS_MASK`` says whether there is one):
   ``fscratch_row`` for :func:`draw`. Reads the row once in the common cases (greedy, plain
   temperature, top-k <= CAND with or without top-p, a nucleus among the 64-ish most likely tokens);
   min-p without top-k/top-p takes a second pass, a large nucleus (or top-k > CAND) a few more.
+- ``describe_row_in_parts(..., part_m_row, part_arg_row, parts, <constexprs>)``: the same, when a first
+  kernel (``scan_parts``, host side; ``parts_per_row`` says when) has done pass 1 over the row in
+  ``parts`` programs: small batches would otherwise leave most SMs idle while each program reads its row
+  alone. Bit for bit the same descriptor (the same per-chunk code, over whole tiles).
 - ``kept_weights(x, ids, m, inv_t, tau, id_cut, w_min)``: the kept weights of a block of logits
   (``load_logits`` loads one, -inf where masked or past V). Processed probabilities = ``/ z``:
   this is what residuals ``max(p - q, 0)`` in chain/tree verification are built from.
@@ -78,6 +82,7 @@ _UNDERFLOW = tl.constexpr(110.0)  # exp(-110) rounds to 0 in float32: logits bel
 _WIDE_KEYS = tl.constexpr(1 << 24)  # a key range over more than two binades: pivots go by value
 
 MAX_CHUNKS = 2048  # chunk maxima of one row are handled as one register tensor of at most this size
+MAX_PARTS = tl.constexpr(128)  # parts pass 1 over a row may be split into (scan_parts)
 
 
 def pipeline_stages() -> int:
@@ -162,6 +167,40 @@ def row_scratch(programs: int, cfg: dict, device: torch.device) -> tuple[torch.T
     )
 
 
+def parts_per_row(rows: int, V: int, cfg: dict, device: torch.device) -> int:
+    """Parts that pass 1 over each of ``rows`` rows is split into (:func:`scan_parts`), 0 for none: on a
+    GPU, as many as fill its SMs' program slots (:data:`PROGRAMS_PER_SM` each), at most one per tile and
+    :data:`MAX_PARTS`, when that is at least 2. One program per row reads a row at the rate one SM draws,
+    so a small batch (sampling at B=1 or 64 of a 132-SM GPU, a chain's 5 rows at B=1) would leave most
+    of the GPU idle. Off a GPU (the interpreter), never."""
+    if device.type != "cuda":
+        return 0
+    slots = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    parts = min(slots // max(rows, 1), triton.cdiv(V, cfg["BLOCK_CHUNKS"] * cfg["CHUNK"]), MAX_PARTS.value)
+    return parts if parts >= 2 else 0
+
+
+def scan_parts(logits: torch.Tensor, strides: tuple[int, int], mask: torch.Tensor, mask_strides: tuple[int, int],
+               num_drafts: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor,
+               fscratch: torch.Tensor, rows: int, K1: int, parts: int, has_mask: bool, cfg: dict,
+               greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 over ``rows`` rows, each split into ``parts`` programs (1 to :data:`MAX_PARTS`): row ``r`` is
+    row ``r % K1`` of request ``r // K1`` (``strides``: of the request and row dimensions of ``logits``,
+    and of ``mask``; with ``num_drafts``, int ``[rows / K1]``, only rows up to it); its parameters are at
+    index ``r`` (``greedy``: every row is greedy, the parameters are not read). Leaves the chunk results in
+    each row's ``fscratch`` row; returns the parts' maxima, float32 and int32 ``[rows * parts]``, for
+    ``describe_row_in_parts``."""
+    V = logits.shape[-1]
+    part_m = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
+    part_arg = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
+    _scan_parts_kernel[(rows, parts)](
+        logits, mask, logits if num_drafts is None else num_drafts, temperature, top_k, part_m, part_arg, fscratch,
+        K1, V, parts, *strides, *mask_strides, GREEDY=greedy, HAS_ND=num_drafts is not None, HAS_MASK=has_mask,
+        CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"], **launch_options(8),
+        enable_fp_fusion=False)  # compiled as the kernels that finish the pass are
+    return part_m, part_arg
+
+
 # ----------------------------------------------------------------------------- elements
 
 
@@ -229,10 +268,35 @@ def invert(w, t):
 
 
 @triton.jit
+def row_settings(V, temperature, top_k, top_p, min_p):
+    """A row's parameters as the row functions use them: (sampled, inv_t, k, top_k_on, top_p_on, w_min).
+    Pass 1 needs the chunk sums of a sampled row without top-k (``sampled & ~top_k_on``)."""
+    sampled = temperature != 0.0
+    inv_t = 1.0 / tl.where(sampled, temperature, 1.0)
+    k = tl.minimum(tl.maximum(top_k, 0), V).to(tl.int32)
+    top_k_on = sampled & (k > 0) & (k < V)
+    top_p_on = sampled & (top_p < 1.0)
+    w_min = tl.where(sampled, min_p, 0.0)
+    return sampled, inv_t, k, top_k_on, top_p_on, w_min
+
+
+@triton.jit
 def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
              HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
     """Pass 1: the row's max logit and argmax (lowest id among ties); stores each chunk's maximum at
     ``fscratch_row[c]`` and, if ``need_sums``, ``sum exp((x - chunk max) * inv_t)`` at ``[NCH_P2 + c]``."""
+    m, arg = scan_part(logits_row, mask_row, V, 0, V, inv_t, need_sums, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS,
+                       NCH_P2)
+    return m, tl.where(arg < V, arg, 0)
+
+
+@triton.jit
+def scan_part(logits_row, mask_row, V, lo, hi, inv_t, need_sums, fscratch_row,
+              HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
+    """Pass 1 over the tokens ``[lo, hi)`` of a row (``lo`` a multiple of the tile, ``BLOCK_CHUNKS * CHUNK``;
+    ``hi`` too, or V): stores what :func:`scan_row` stores for the chunks there, computed tile by tile as it
+    does, so bit for bit the same; returns their max logit (-inf if none) and its lowest id (V if none,
+    0 when all are -inf)."""
     n_chunks = tl.cdiv(V, CHUNK)
     local = tl.arange(0, BLOCK_CHUNKS)
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
@@ -240,7 +304,7 @@ def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
     # tile once, after the pass, so that an iteration needs no exchange between warps beyond the stores
     slot_max = tl.full([BLOCK_CHUNKS], float("-inf"), tl.float32)
     slot_arg = tl.zeros([BLOCK_CHUNKS], tl.int32)
-    for start in tl.range(0, V, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
+    for start in tl.range(lo, hi, BLOCK_CHUNKS * CHUNK, num_stages=STAGES):
         offs = start + tile
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         cmax = tl.max(x, axis=1)
@@ -254,8 +318,47 @@ def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
         slot_arg = tl.where(cmax > slot_max, carg, slot_arg)  # strictly larger: an earlier chunk keeps its tie
         slot_max = tl.maximum(slot_max, cmax)
     m = tl.max(slot_max, axis=0)
-    arg = tl.min(tl.where(slot_max == m, slot_arg, V), axis=0)
+    return m, tl.min(tl.where(slot_max == m, slot_arg, V), axis=0)
+
+
+@triton.jit
+def combine_parts(part_m_row, part_arg_row, parts, V):
+    """A row's max logit and argmax from its ``parts`` (at most ``MAX_PARTS``) results of :func:`scan_part`,
+    as :func:`scan_row` returns them (the lowest id among the parts holding the max)."""
+    j = tl.arange(0, MAX_PARTS)
+    pm = tl.load(part_m_row + j, mask=j < parts, other=float("-inf"))
+    pa = tl.load(part_arg_row + j, mask=j < parts, other=V)
+    m = tl.max(pm, axis=0)
+    arg = tl.min(tl.where(pm == m, pa, V), axis=0)
     return m, tl.where(arg < V, arg, 0)
+
+
+@triton.jit
+def _scan_parts_kernel(
+    logits_ptr, mask_ptr, nd_ptr, temperature_ptr, top_k_ptr, part_m_ptr, part_arg_ptr, fscratch_ptr,
+    K1, V, parts, stride_lb, stride_lk, stride_mb, stride_mk,
+    GREEDY: tl.constexpr, HAS_ND: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
+):
+    """Program (r, s): pass 1 over part s of row r (row i = r % K1 of request b = r // K1; with ``HAS_ND``
+    only rows i <= num_drafts[b]): the chunk results into the row's scratch, (max, argmax) at
+    ``part_*[r * parts + s]``. Parts are runs of whole tiles, in order. ``GREEDY``: every row is greedy
+    (the parameters are not read)."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    b = r // K1
+    i = r % K1
+    if (i <= tl.minimum(tl.maximum(tl.load(nd_ptr + b), 0), K1 - 1)) if HAS_ND else (i >= 0):
+        sampled, inv_t, _, top_k_on, _, _ = row_settings(V, 0.0 if GREEDY else tl.load(temperature_ptr + r),
+                                                         0 if GREEDY else tl.load(top_k_ptr + r), 1.0, 0.0)
+        tile = BLOCK_CHUNKS * CHUNK
+        per = tl.cdiv(tl.cdiv(V, tile), parts) * tile
+        lo = tl.minimum(s * per, V)
+        m, arg = scan_part(logits_ptr + b * stride_lb + i * stride_lk, mask_ptr + b * stride_mb + i * stride_mk, V,
+                           lo, tl.minimum(lo + per, V), inv_t, sampled & (top_k_on == 0),
+                           fscratch_ptr + r * (3 * NCH_P2), HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+        tl.store(part_m_ptr + r * parts + s, m)
+        tl.store(part_arg_ptr + r * parts + s, arg)
 
 
 @triton.jit
@@ -559,15 +662,27 @@ def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscr
     temperature float32 (0 = greedy), top_k int (<= 0 or >= V: off), top_p float32 (>= 1: off),
     min_p float32: scalars. Returns (m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w).
     """
-    sampled = temperature != 0.0
-    inv_t = 1.0 / tl.where(sampled, temperature, 1.0)
-    k = tl.minimum(tl.maximum(top_k, 0), V).to(tl.int32)
-    top_k_on = sampled & (k > 0) & (k < V)
-    top_p_on = sampled & (top_p < 1.0)
-    w_min = tl.where(sampled, min_p, 0.0)
+    return describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscratch_row,
+                                 iscratch_row, fscratch_row, iscratch_row, 0, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2,
+                                 CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+
+
+@triton.jit
+def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscratch_row, iscratch_row,
+                          part_m_row, part_arg_row, parts, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
+                          NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                          NPIV: tl.constexpr):
+    """:func:`describe_row`, where ``parts > 0`` says that :func:`scan_parts` has done pass 1 (the chunk
+    results in ``fscratch_row``, the parts' maxima at ``part_m_row`` / ``part_arg_row``); bit for bit the
+    same descriptor."""
+    sampled, inv_t, k, top_k_on, top_p_on, w_min = row_settings(V, temperature, top_k, top_p, min_p)
     tl.debug_barrier()  # the scratch may still be read for a previous row
-    row_max, arg = scan_row(logits_row, mask_row, V, inv_t, sampled & ((k <= 0) | (k >= V)), fscratch_row,
-                            HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+    if parts > 0:
+        row_max, arg = combine_parts(part_m_row, part_arg_row, parts, V)
+    else:
+        row_max, arg = scan_row(logits_row, mask_row, V, inv_t, sampled & (top_k_on == 0), fscratch_row,
+                                HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
     tl.debug_barrier()
     has_mass = (row_max > float("-inf")) & (row_max < float("inf"))
     m = tl.where(has_mass, row_max, 0.0)

@@ -1,9 +1,11 @@
 """Triton kernels of :func:`specsampler.sample_from_logits` and :func:`specsampler.sample`.
 
-One program per row. The randomness is one uniform per row (:mod:`specsampler.rng`): either drawn
-in the kernel from Philox at ``(seed, offset)``, stream ``STREAM_SAMPLE``, draw index ``index``
-(the row's flat position inside its request), or given precomputed (``u``), for
-``torch.Generator`` / ``None`` streams drawn by the caller as the reference draws them.
+One program per row; small batches on a GPU split each row's first pass over several programs before
+(:func:`specsampler.kernels.rows.scan_parts`), with the same results. The randomness is one uniform per
+row (:mod:`specsampler.rng`): either drawn in the kernel from Philox at ``(seed, offset)``, stream
+``STREAM_SAMPLE``, draw index ``index`` (the row's flat position inside its request), or given
+precomputed (``u``), for ``torch.Generator`` / ``None`` streams drawn by the caller as the reference
+draws them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,18 @@ from torch import Tensor
 
 from .common import SAMPLE, TINY, last_dim_contiguous
 from .philox import philox_uniform
-from .rows import STAGES, describe_row, draw, find_chunk, invert, launch_options, row_config, row_scratch
+from .rows import (
+    STAGES,
+    describe_row_in_parts,
+    draw,
+    find_chunk,
+    invert,
+    launch_options,
+    parts_per_row,
+    row_config,
+    row_scratch,
+    scan_parts,
+)
 
 
 @triton.jit
@@ -34,9 +47,9 @@ def _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX: tl.constex
 @triton.jit
 def _sample_from_logits_kernel(
     logits_ptr, logits_stride, mask_ptr, mask_stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    seed_ptr, offset_ptr, index_ptr, u_ptr, tokens_ptr, logprobs_ptr, fscratch_ptr, iscratch_ptr, V,
-    HAS_MASK: tl.constexpr, PHILOX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-    NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
+    seed_ptr, offset_ptr, index_ptr, u_ptr, tokens_ptr, logprobs_ptr, fscratch_ptr, iscratch_ptr,
+    part_m_ptr, part_arg_ptr, parts, V, HAS_MASK: tl.constexpr, PHILOX: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -44,10 +57,10 @@ def _sample_from_logits_kernel(
     mask_row = mask_ptr + row * mask_stride
     fscratch_row = fscratch_ptr + row * (3 * NCH_P2)
     iscratch_row = iscratch_ptr + row * (2 * CAND)
-    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
+    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row_in_parts(
         logits_row, mask_row, V, tl.load(temperature_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
-        tl.load(min_p_ptr + row), fscratch_row, iscratch_row,
-        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+        tl.load(min_p_ptr + row), fscratch_row, iscratch_row, part_m_ptr + row * parts, part_arg_ptr + row * parts,
+        parts, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
     u = _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX)
     token, weight = draw(u, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row, V,
                          fscratch_row, HAS_MASK, CHUNK, NCH_P2)
@@ -79,7 +92,9 @@ def sample_from_logits(
     *,
     chunk: int = 64,
     cand: int = 256,
+    tile: int = 2048,
     num_warps: int = 8,
+    parts: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Process each row of logits and draw one token by inversion (the kernel of
     :func:`specsampler.sample_from_logits` for ``num_logprobs=0``).
@@ -92,7 +107,12 @@ def sample_from_logits(
         seed, offset: int64 ``[R]``, the Philox key and counter offset of each row's request;
             index: int64 ``[R]``, the row's draw index (its flat position inside the request).
         u: float32 ``[R]`` in [0, 1): precomputed uniforms, instead of seed/offset/index.
-        chunk, cand, num_warps: tuning (see :func:`specsampler.kernels.rows.row_config`).
+        chunk, cand, tile, num_warps: tuning (see :func:`specsampler.kernels.rows.row_config`, whose ``block``
+            is ``tile``).
+        parts: split each row's first pass over this many programs (a first kernel,
+            :func:`specsampler.kernels.rows.scan_parts`) before one program per row finishes it; 0: one program
+            per row throughout; None: :func:`specsampler.kernels.rows.parts_per_row` (small batches on a GPU).
+            The results are the same bit for bit.
     Returns:
         tokens int64 ``[R]`` in ``[0, V)``; logprobs float32 ``[R]``, the log of each token's
         processed probability (-inf for a row without an allowed finite logit, which draws 0).
@@ -104,12 +124,17 @@ def sample_from_logits(
     logprobs = torch.empty(R, dtype=torch.float32, device=logits.device)
     if R == 0:
         return tokens, logprobs
-    cfg = row_config(V, chunk=chunk, cand=cand)
+    cfg = row_config(V, chunk=chunk, cand=cand, block=tile)
     fscratch, iscratch = row_scratch(R, cfg, logits.device)
     mask = logits if vocab_mask is None else last_dim_contiguous(vocab_mask).view(torch.uint8)
+    parts = parts_per_row(R, V, cfg, logits.device) if parts is None else parts
+    part_m, part_arg = fscratch, fscratch  # not read without parts
+    if parts > 0:
+        part_m, part_arg = scan_parts(logits, (logits.stride(0), 0), mask, (mask.stride(0), 0), None, temperature,
+                                      top_k, fscratch, R, 1, parts, vocab_mask is not None, cfg)
     _sample_from_logits_kernel[(R,)](
         logits, logits.stride(0), mask, mask.stride(0), temperature, top_k, top_p, min_p,
-        seed, offset, index, u, tokens, logprobs, fscratch, iscratch, V,
+        seed, offset, index, u, tokens, logprobs, fscratch, iscratch, part_m, part_arg, parts, V,
         HAS_MASK=vocab_mask is not None, PHILOX=philox, **launch_options(num_warps), **cfg,
         enable_fp_fusion=False,  # rounded as the chain and tree kernels round it: target_only's draws are these
     )
