@@ -52,7 +52,8 @@ STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), No
 PROGRAMS_PER_SM = None  # programs the kernels' register limit fits on an SM (SPECSAMPLER_PROGRAMS_PER_SM)
 if triton_available():
     from specsampler.kernels import chain_logits as kchain
-    from specsampler.kernels.rows import PROGRAMS_PER_SM
+    from specsampler.kernels import sampling as ksampling
+    from specsampler.kernels.rows import PROGRAMS_PER_SM, parts_per_row, row_config
     from specsampler.kernels.rows import STAGES as _STAGES
 
     STAGES = _STAGES.value
@@ -162,16 +163,22 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
             return fis.chain_speculative_sampling(q, draft.int(), probs.view(B, K + 1, V))
         base["flashinfer_sequential"] = fi_sequential
     parallel = use_triton(device) and kchain.rows_in_parallel_by_default(B, K + 1, device)
+    parts = parts_per_row(B * (K + 1), V, row_config(V), device) if parallel else 0
+    if use_triton(device):
+        shape["parts"] = parts  # each row's first pass split over this many programs (0: none)
     out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": parallel},
                       logits, lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
                                                                   rng=rng), base, rate, reps, inner))
-    if use_triton(device):  # a diagnostic for the size threshold: the same chains in the other mode
+    if use_triton(device):  # diagnostics for the size thresholds: the other mode, and rows not split
         rp = params.rows("bench", B, K + 1, device, False)
-        out.append(record("chain_verify_from_logits", device,
-                          {**shape, "method": "token", "rows_in_parallel": not parallel}, logits,
-                          lambda: kchain.verify_chain_from_logits(
-                              logits, draft, q, None, "token", rp.temperature, rp.top_k, rp.top_p, rp.min_p, None,
-                              rng.seed, rng.offset, rows_in_parallel=not parallel), {}, rate, reps, inner))
+        split = parts_per_row(B * (K + 1), V, row_config(V), device)
+        for in_parallel, n_parts in [(not parallel, split if not parallel else 0)] + ([(True, 0)] if parts else []):
+            out.append(record(
+                "chain_verify_from_logits", device,
+                {**shape, "parts": n_parts, "method": "token", "rows_in_parallel": in_parallel}, logits,
+                lambda in_parallel=in_parallel, n_parts=n_parts: kchain.verify_chain_from_logits(
+                    logits, draft, q, None, "token", rp.temperature, rp.top_k, rp.top_p, rp.min_p, None, rng.seed,
+                    rng.offset, rows_in_parallel=in_parallel, parts=n_parts), {}, rate, reps, inner))
     base = {"torch": lambda: bench.sort_sampler(logits.view(-1, V), TEMPERATURE, TOP_K, TOP_P, gd)}
     if fis is not None:
         def fi_fused():
@@ -190,13 +197,15 @@ def sampling_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
     with plain temperature (the first pass and the draw only) and greedy (one pass): what the top-k /
     top-p work after the first pass costs."""
     V, batches = (32000, (16,)) if quick else (128256, (1, 64, 256))
-    out = [sampling_shape(device, g, gd, rate, reps, inner, B, V, TEMPERATURE, TOP_K, TOP_P) for B in batches]
-    out.append(sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, TEMPERATURE, 0, 1.0))
-    out.append(sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, 0.0, 0, 1.0))
+    out = [rec for B in batches for rec in sampling_shape(device, g, gd, rate, reps, inner, B, V, TEMPERATURE, TOP_K,
+                                                          TOP_P)]
+    out += sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, TEMPERATURE, 0, 1.0)
+    out += sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, 0.0, 0, 1.0)
     return out
 
 
-def sampling_shape(device, g, gd, rate, reps, inner, B, V, temperature, top_k, top_p) -> dict:
+def sampling_shape(device, g, gd, rate, reps, inner, B, V, temperature, top_k, top_p) -> list[dict]:
+    """One shape's record; with the kernels, where rows are split (``parts`` > 0), a diagnostic without."""
     params = ss.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = (torch.randn(B, V, generator=g) * 4).to(device)
     rng = ss.Philox(torch.arange(B, device=device), torch.zeros(B, dtype=torch.int64, device=device))
@@ -209,8 +218,20 @@ def sampling_shape(device, g, gd, rate, reps, inner, B, V, temperature, top_k, t
         if fis is not None:
             base["flashinfer"] = ((lambda: fis.top_k_top_p_sampling_from_logits(logits, top_k, top_p)) if top_k
                                   else (lambda: fis.sampling_from_logits(logits)))
-    return record("sample_from_logits", device, shape, logits, lambda: ss.sample_from_logits(logits, params, rng),
-                  base, rate, reps, inner)
+    out = []
+    parts = parts_per_row(B, V, row_config(V), device) if use_triton(device) else 0
+    if use_triton(device):
+        shape["parts"] = parts
+    out.append(record("sample_from_logits", device, shape, logits, lambda: ss.sample_from_logits(logits, params, rng),
+                      base, rate, reps, inner))
+    if parts:
+        rp = params.rows("bench", B, 1, device, False)
+        index = torch.zeros(B, dtype=torch.int64, device=device)
+        out.append(record("sample_from_logits", device, {**shape, "parts": 0}, logits,
+                          lambda: ksampling.sample_from_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p,
+                                                               None, rng.seed, rng.offset, index, parts=0),
+                          {}, rate, reps, inner))
+    return out
 
 
 def tree_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
