@@ -493,11 +493,9 @@ def verify_chain_from_logits(
         cand_ids = torch.empty(R, cfg["CAND"], dtype=torch.int32, device=dev)
         cand_w = torch.empty(R, cfg["CAND"], dtype=torch.float32, device=dev)
         parts = parts_per_row(R, V, cfg, dev) if parts is None else parts
-        part_m, part_arg = fscratch, fscratch  # not read without parts
-        if parts > 0:
-            part_m, part_arg = scan_parts(logits, (logits.stride(0), logits.stride(1)), mask, (stride_mb, stride_mk),
-                                          n, params[0], params[1], fscratch, R, K1, parts, vocab_mask is not None, cfg,
-                                          greedy=method == "greedy")
+        part_m, part_arg = scan_parts(logits, (logits.stride(0), logits.stride(1)), mask, (stride_mb, stride_mk), n,
+                                      params[0], params[1], fscratch, R, K1, parts, vocab_mask is not None, cfg,
+                                      greedy=method == "greedy")
         _describe_rows_kernel[(R,)](
             logits, mask, n, *params, desc_f, desc_i, cand_ids, cand_w, fscratch, iscratch, part_m, part_arg, parts,
             K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, GREEDY=method == "greedy", **meta)

@@ -184,15 +184,17 @@ def scan_parts(logits: torch.Tensor, strides: tuple[int, int], mask: torch.Tenso
                num_drafts: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor,
                fscratch: torch.Tensor, rows: int, K1: int, parts: int, has_mask: bool, cfg: dict,
                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1 over ``rows`` rows, each split into ``parts`` programs (1 to :data:`MAX_PARTS`): row ``r`` is
+    """Pass 1 over ``rows`` rows, each split into ``parts`` programs (0 to :data:`MAX_PARTS`): row ``r`` is
     row ``r % K1`` of request ``r // K1`` (``strides``: of the request and row dimensions of ``logits``,
     and of ``mask``; with ``num_drafts``, int ``[rows / K1]``, only rows up to it); its parameters are at
     index ``r`` (``greedy``: every row is greedy, the parameters are not read). Leaves the chunk results in
     each row's ``fscratch`` row; returns the parts' maxima, float32 and int32 ``[rows * parts]``, for
-    ``describe_row_in_parts``."""
+    ``describe_row_in_parts`` (``parts`` 0: launches nothing, returns empty tensors of those types)."""
     V = logits.shape[-1]
     part_m = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
     part_arg = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
+    if parts == 0:
+        return part_m, part_arg
     _scan_parts_kernel[(rows, parts)](
         logits, mask, logits if num_drafts is None else num_drafts, temperature, top_k, part_m, part_arg, fscratch,
         K1, V, parts, *strides, *mask_strides, GREEDY=greedy, HAS_ND=num_drafts is not None, HAS_MASK=has_mask,
