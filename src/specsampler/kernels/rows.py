@@ -297,8 +297,8 @@ def scan_part(logits_row, mask_row, V, lo, hi, inv_t, need_sums, fscratch_row,
               HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
     """Pass 1 over the tokens ``[lo, hi)`` of a row (``lo`` a multiple of the tile, ``BLOCK_CHUNKS * CHUNK``;
     ``hi`` too, or V): stores what :func:`scan_row` stores for the chunks there, computed tile by tile as it
-    does, so bit for bit the same; returns their max logit (-inf if none) and its lowest id (V if none,
-    0 when all are -inf)."""
+    does, so bit for bit the same; returns their max logit (-inf if none) and its lowest id (0 when the max
+    is -inf)."""
     n_chunks = tl.cdiv(V, CHUNK)
     local = tl.arange(0, BLOCK_CHUNKS)
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
