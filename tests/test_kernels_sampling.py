@@ -16,6 +16,7 @@ import torch
 
 import specsampler as ss
 from specsampler import SamplingParams as SP
+from specsampler.kernels import rows as rows_module
 from specsampler.kernels import sampling as ksampling
 from specsampler.kernels.rows import parts_per_row, row_config
 from specsampler.rng import STREAM_SAMPLE, uniform
@@ -239,6 +240,7 @@ def test_rows_scanned_in_parts_draw_the_same_tokens_bit_for_bit(monkeypatch):
     # by size on a GPU of 132 SMs (two programs each): parts that fill the 264 slots, at most one per tile
     h100 = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
+    monkeypatch.setattr(rows_module, "PROGRAMS_PER_SM", 2)  # the default, whatever the environment says
     cfg, gpu = row_config(128256), torch.device("cuda")
     assert [parts_per_row(rows, 128256, cfg, gpu) for rows in (1, 5, 64, 132, 133)] == [63, 52, 4, 2, 0]
     assert parts_per_row(1, 128256, cfg, torch.device("cpu")) == 0

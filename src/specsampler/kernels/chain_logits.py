@@ -58,13 +58,12 @@ from .common import (
 )
 from .rows import (
     STAGES,
-    combine_parts,
     describe_row_in_parts,
     draw,
+    first_pass,
     kept_weights,
     launch_options,
     load_logits,
-    parts_per_row,
     row_config,
     row_scratch,
     scan_parts,
@@ -212,11 +211,8 @@ def _describe_rows_kernel(
         mask_row = mask_ptr + b * stride_mb + i * stride_mk
         fscratch_row = fscratch_ptr + r * (3 * NCH_P2)
         if GREEDY:
-            if parts > 0:
-                _, arg = combine_parts(part_m_ptr + r * parts, part_arg_ptr + r * parts, parts, V)
-            else:
-                _, arg = scan_row(logits_row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS,
-                                  NCH_P2)
+            _, arg = first_pass(logits_row, mask_row, V, 1.0, False, fscratch_row, part_m_ptr + r * parts,
+                                part_arg_ptr + r * parts, parts, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
             tl.store(desc_i_ptr + 2 * r, arg)
         else:
             m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row_in_parts(
@@ -492,10 +488,9 @@ def verify_chain_from_logits(
         desc_i = torch.empty(R, 2, dtype=torch.int32, device=dev)
         cand_ids = torch.empty(R, cfg["CAND"], dtype=torch.int32, device=dev)
         cand_w = torch.empty(R, cfg["CAND"], dtype=torch.float32, device=dev)
-        parts = parts_per_row(R, V, cfg, dev) if parts is None else parts
-        part_m, part_arg = scan_parts(logits, (logits.stride(0), logits.stride(1)), mask, (stride_mb, stride_mk), n,
-                                      params[0], params[1], fscratch, R, K1, parts, vocab_mask is not None, cfg,
-                                      greedy=method == "greedy")
+        part_m, part_arg, parts = scan_parts(logits, (logits.stride(0), logits.stride(1)), mask, (stride_mb, stride_mk),
+                                             n, params[0], params[1], fscratch, R, K1, parts, vocab_mask is not None,
+                                             cfg, greedy=method == "greedy")
         _describe_rows_kernel[(R,)](
             logits, mask, n, *params, desc_f, desc_i, cand_ids, cand_w, fscratch, iscratch, part_m, part_arg, parts,
             K, V, logits.stride(0), logits.stride(1), stride_mb, stride_mk, GREEDY=method == "greedy", **meta)

@@ -182,25 +182,28 @@ def parts_per_row(rows: int, V: int, cfg: dict, device: torch.device) -> int:
 
 def scan_parts(logits: torch.Tensor, strides: tuple[int, int], mask: torch.Tensor, mask_strides: tuple[int, int],
                num_drafts: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor,
-               fscratch: torch.Tensor, rows: int, K1: int, parts: int, has_mask: bool, cfg: dict,
-               greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass 1 over ``rows`` rows, each split into ``parts`` programs (0 to :data:`MAX_PARTS`): row ``r`` is
+               fscratch: torch.Tensor, rows: int, K1: int, parts: int | None, has_mask: bool, cfg: dict,
+               greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pass 1 over ``rows`` rows, each split into ``parts`` programs (0 to :data:`MAX_PARTS`; None:
+    :func:`parts_per_row`): row ``r`` is
     row ``r % K1`` of request ``r // K1`` (``strides``: of the request and row dimensions of ``logits``,
     and of ``mask``; with ``num_drafts``, int ``[rows / K1]``, only rows up to it); its parameters are at
     index ``r`` (``greedy``: every row is greedy, the parameters are not read). Leaves the chunk results in
-    each row's ``fscratch`` row; returns the parts' maxima, float32 and int32 ``[rows * parts]``, for
-    ``describe_row_in_parts`` (``parts`` 0: launches nothing, returns empty tensors of those types)."""
+    each row's ``fscratch`` row; returns the parts' maxima, float32 and int32 ``[rows * parts]``, and
+    ``parts``, for ``describe_row_in_parts`` / ``first_pass`` (``parts`` 0: launches nothing, the tensors
+    are empty)."""
     V = logits.shape[-1]
+    parts = parts_per_row(rows, V, cfg, logits.device) if parts is None else parts
     part_m = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
     part_arg = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     if parts == 0:
-        return part_m, part_arg
+        return part_m, part_arg, parts
     _scan_parts_kernel[(rows, parts)](
         logits, mask, logits if num_drafts is None else num_drafts, temperature, top_k, part_m, part_arg, fscratch,
         K1, V, parts, *strides, *mask_strides, GREEDY=greedy, HAS_ND=num_drafts is not None, HAS_MASK=has_mask,
         CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"], **launch_options(8),
         enable_fp_fusion=False)  # compiled as the kernels that finish the pass are
-    return part_m, part_arg
+    return part_m, part_arg, parts
 
 
 # ----------------------------------------------------------------------------- elements
@@ -333,6 +336,19 @@ def combine_parts(part_m_row, part_arg_row, parts, V):
     m = tl.max(pm, axis=0)
     arg = tl.min(tl.where(pm == m, pa, V), axis=0)
     return m, tl.where(arg < V, arg, 0)
+
+
+@triton.jit
+def first_pass(logits_row, mask_row, V, inv_t, need_sums, fscratch_row, part_m_row, part_arg_row, parts,
+               HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
+    """Pass 1 of a row, as :func:`scan_row` returns it: combined from the ``parts`` that :func:`scan_parts`
+    scanned before (``parts > 0``), else scanned here."""
+    if parts > 0:
+        row_max, arg = combine_parts(part_m_row, part_arg_row, parts, V)
+    else:
+        row_max, arg = scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS,
+                                NCH_P2)
+    return row_max, arg
 
 
 @triton.jit
@@ -680,11 +696,8 @@ def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, mi
     same descriptor."""
     sampled, inv_t, k, top_k_on, top_p_on, w_min = row_settings(V, temperature, top_k, top_p, min_p)
     tl.debug_barrier()  # the scratch may still be read for a previous row
-    if parts > 0:
-        row_max, arg = combine_parts(part_m_row, part_arg_row, parts, V)
-    else:
-        row_max, arg = scan_row(logits_row, mask_row, V, inv_t, sampled & (top_k_on == 0), fscratch_row,
-                                HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+    row_max, arg = first_pass(logits_row, mask_row, V, inv_t, sampled & (top_k_on == 0), fscratch_row, part_m_row,
+                              part_arg_row, parts, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
     tl.debug_barrier()
     has_mass = (row_max > float("-inf")) & (row_max < float("inf"))
     m = tl.where(has_mass, row_max, 0.0)

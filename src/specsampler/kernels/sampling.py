@@ -24,7 +24,6 @@ from .rows import (
     find_chunk,
     invert,
     launch_options,
-    parts_per_row,
     row_config,
     row_scratch,
     scan_parts,
@@ -127,9 +126,8 @@ def sample_from_logits(
     cfg = row_config(V, chunk=chunk, cand=cand, block=tile)
     fscratch, iscratch = row_scratch(R, cfg, logits.device)
     mask = logits if vocab_mask is None else last_dim_contiguous(vocab_mask).view(torch.uint8)
-    parts = parts_per_row(R, V, cfg, logits.device) if parts is None else parts
-    part_m, part_arg = scan_parts(logits, (logits.stride(0), 0), mask, (mask.stride(0), 0), None, temperature,
-                                  top_k, fscratch, R, 1, parts, vocab_mask is not None, cfg)
+    part_m, part_arg, parts = scan_parts(logits, (logits.stride(0), 0), mask, (mask.stride(0), 0), None, temperature,
+                                         top_k, fscratch, R, 1, parts, vocab_mask is not None, cfg)
     _sample_from_logits_kernel[(R,)](
         logits, logits.stride(0), mask, mask.stride(0), temperature, top_k, top_p, min_p,
         seed, offset, index, u, tokens, logprobs, fscratch, iscratch, part_m, part_arg, parts, V,
