@@ -163,7 +163,8 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
             return fis.chain_speculative_sampling(q, draft.int(), probs.view(B, K + 1, V))
         base["flashinfer_sequential"] = fi_sequential
     parallel = use_triton(device) and kchain.rows_in_parallel_by_default(B, K + 1, device)
-    parts = parts_per_row(B * (K + 1), V, row_config(V), device) if parallel else 0
+    split = parts_per_row(B * (K + 1), V, row_config(V), device) if use_triton(device) else 0  # with rows in parallel
+    parts = split if parallel else 0
     if use_triton(device):
         shape["parts"] = parts  # each row's first pass split over this many programs (0: none)
     out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": parallel},
@@ -171,8 +172,7 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
                                                                   rng=rng), base, rate, reps, inner))
     if use_triton(device):  # diagnostics for the size thresholds: the other mode, and rows not split
         rp = params.rows("bench", B, K + 1, device, False)
-        split = parts_per_row(B * (K + 1), V, row_config(V), device)
-        for in_parallel, n_parts in [(not parallel, split if not parallel else 0)] + ([(True, 0)] if parts else []):
+        for in_parallel, n_parts in [(not parallel, 0 if parallel else split)] + ([(True, 0)] if parts else []):
             out.append(record(
                 "chain_verify_from_logits", device,
                 {**shape, "parts": n_parts, "method": "token", "rows_in_parallel": in_parallel}, logits,

@@ -127,9 +127,11 @@ case "$phase" in
   tune)
     IFS=';' read -ra settings <<<"${SETTINGS:-SPECSAMPLER_PIPELINE_STAGES=1 SPECSAMPLER_PROGRAMS_PER_SM=1;\
 SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE_STAGES=4;SPECSAMPLER_PIPELINE_STAGES=6}"
+    parts=("chain --chain-vocab 128256" "chain --chain-vocab 200064" sampling tree)
+    [[ "${GPU_ARGS:-}" == *--quick* ]] && parts=(chain sampling tree)  # --quick has one chain shape, V=32000
     jobs=()
     for i in "${!settings[@]}"; do
-      for part in "chain --chain-vocab 128256" "chain --chain-vocab 200064" sampling tree; do
+      for part in "${parts[@]}"; do
         jobs+=("compile-$i-${part// /-}" "env ${settings[$i]} python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 --no-baselines ${GPU_ARGS:-}")
       done
     done
