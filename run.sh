@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: sets up (or refreshes) .venv, then runs a job.
 #   ./run.sh demo          the main job: `specsampler demo`
-#   ./run.sh test [ARGS]   the test suite (pytest ARGS); SPECSAMPLER_FULL_MC=1 for full-size Monte Carlo
+#   ./run.sh test [ARGS]   the test suite (pytest ARGS), in one process per core (SPECSAMPLER_TEST_WORKERS
+#                          or `-n N` in ARGS sets how many; 0: this process); SPECSAMPLER_FULL_MC=1 for
+#                          full-size Monte Carlo
 #   ./run.sh CMD [ARGS]    any other `specsampler` sub-command (check, bench, ...)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -35,6 +37,6 @@ fi
 job=${1:-demo}
 [ $# -gt 0 ] && shift
 case "$job" in
-  test) exec .venv/bin/python -m pytest "$@" ;;
+  test) exec .venv/bin/python -m pytest -n "${SPECSAMPLER_TEST_WORKERS:-auto}" "$@" ;;
   *) exec .venv/bin/specsampler "$job" "$@" ;;
 esac

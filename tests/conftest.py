@@ -6,6 +6,11 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Under pytest-xdist (``./run.sh test``: one worker per core) each worker gets its share of the cores for
+    # ATen's threads, not all of them each.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if _workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 except ImportError:  # pragma: no cover
     pass
 
