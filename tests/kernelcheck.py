@@ -84,3 +84,64 @@ def row_reads(loaded: list, t: torch.Tensor) -> torch.Tensor:
     starts = starts.view(-1)
     hit = (addresses[:, None] >= starts) & (addresses[:, None] < starts + t.element_size() * V)
     return hit.sum(0).view(B, R)
+
+
+KERNEL_OPS = ("verify_chain", "verify_chain_from_logits", "verify_tree", "verify_tree_from_logits",
+              "sample_from_logits", "sample", "mlc_batch_spec_verify")
+
+
+def public_op_calls(device, V: int = 40) -> dict:
+    """One call of each public function that runs a kernel (a torch custom op) on ``device``, by the
+    op's name (:data:`KERNEL_OPS`): ``{name: fn(rng) -> the call's output tensors}`` (``rng`` a
+    :class:`specsampler.Philox` over 3 requests). Sampled drafts, top-k / top-p rows, a vocabulary mask
+    and a tree with two branches: the ops' optional arguments are given. Every tensor is on ``device``
+    before a call: the calls copy nothing from the host."""
+    import specsampler as ss
+    from specsampler import mlc
+
+    g = torch.Generator().manual_seed(21)
+    B, K, N = 3, 2, 4
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
+    x = torch.where(torch.rand(B, K, generator=g) < 0.7, p[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=g))
+    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]] * B))
+    xt = torch.randint(0, V, (B, N), generator=g)
+    xt[:, 1] = logits[:, 0].argmax(-1)
+    tree_logits = torch.randn(B, N, V, generator=g) * 3
+    qt = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
+    mask = torch.rand(B, 1, V, generator=g) < 0.9
+    mask[..., 0] = True
+    # MLC: nodes 0-3 of request 0 (children 1, 2 of the root, 3 under 1), nodes 4-6 of request 1 (a chain)
+    first_child = torch.tensor([1, 3, -1, -1, 5, 6, -1], dtype=torch.int32)
+    next_sibling = torch.tensor([-1, 2, -1, -1, -1, -1, -1], dtype=torch.int32)
+    mlc_q = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
+    mlc_p = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
+    mlc_x = torch.multinomial(mlc_q, 1, generator=g)[:, 0].int()
+    mlc_u = torch.rand(7, generator=g)
+    (logits, p, q, x, tree, xt, tree_logits, qt, mask, first_child, next_sibling, mlc_q, mlc_p, mlc_x,
+     mlc_u) = (t.to(device) for t in (logits, p, q, x, tree, xt, tree_logits, qt, mask, first_child, next_sibling,
+                                      mlc_q, mlc_p, mlc_x, mlc_u))
+    params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.8, 1.1], device=device),
+                               top_k=torch.tensor([0, 10, 0], device=device),
+                               top_p=torch.tensor([1.0, 0.9, 0.8], device=device))
+
+    roots = torch.tensor([0, 4], dtype=torch.int32).to(device)
+
+    def mlc_verify(rng):
+        m, ptr = mlc_p.clone(), roots.clone()
+        mlc.batch_spec_verify(mlc_q, mlc_x, m, first_child, next_sibling, mlc_u, ptr)
+        return m, ptr
+
+    return {
+        "verify_chain": lambda rng: ss.verify_chain(p, x, q, method="token", rng=rng).tokens,
+        "verify_chain_from_logits": lambda rng: ss.verify_chain_from_logits(
+            logits, x, params, draft_probs=q, method="token", rng=rng, vocab_mask=mask).tokens,
+        "verify_tree": lambda rng: ss.verify_tree(p[:, :1].expand(B, N, V), xt, tree, qt, method="traversal",
+                                                  rng=rng).tokens,
+        "verify_tree_from_logits": lambda rng: ss.verify_tree_from_logits(
+            tree_logits, xt, tree, params, method="target_only", rng=rng, vocab_mask=mask).tokens,
+        "sample_from_logits": lambda rng: ss.sample_from_logits(logits[:, 0], params, rng, mask[:, 0]).tokens,
+        "sample": lambda rng: ss.sample(p[:, 0], rng),
+        "mlc_batch_spec_verify": mlc_verify,
+    }

@@ -1,6 +1,6 @@
 """GPU only (skipped without CUDA): the kernels at real sizes against the references on the same
-streams, inside captured CUDA graphs (replays with advanced Philox offsets equal eager runs), and
-under ``torch.compile(fullgraph=True)``."""
+streams, without host synchronisation, inside captured CUDA graphs (replays with advanced Philox offsets
+equal eager runs), and under ``torch.compile(fullgraph=True)``."""
 
 import os
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import specsampler as ss
+from kernelcheck import KERNEL_OPS, public_op_calls
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -95,6 +96,34 @@ def test_tree_and_sampling_ops_capture_in_a_graph():
             offset.fill_(step)
             graph.replay()
             assert torch.equal(out, op(ss.Philox(torch.arange(B, device=CUDA), step)))
+
+
+def _tensors(out) -> tuple:
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_every_kernel_op_runs_without_host_sync_and_replays_in_a_graph(name):
+    """Each public function that runs a kernel: no host synchronisation once its kernels are compiled
+    (``torch.cuda.set_sync_debug_mode("error")`` raises on any), and a captured graph's replays at
+    advanced offsets equal eager runs."""
+    call = public_op_calls(CUDA, V=32000)[name]
+    seed = torch.arange(3, device=CUDA) * 7
+    offset = torch.zeros(3, dtype=torch.int64, device=CUDA)
+    call(ss.Philox(seed, offset))  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(ss.Philox(seed, offset))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, out = _capture(lambda: call(ss.Philox(seed, offset)))
+    for step in (3, 11):
+        offset.fill_(step)
+        graph.replay()
+        eager = call(ss.Philox(seed, torch.full_like(offset, step)))
+        for got, want in zip(_tensors(out), _tensors(eager), strict=True):
+            assert torch.equal(got, want), f"{name}: graph replay at offset {step} differs from the eager run"
 
 
 @pytest.mark.skipif(os.environ.get("SPECSAMPLER_SKIP_COMPILE") == "1", reason="compile disabled")

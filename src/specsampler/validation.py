@@ -79,8 +79,9 @@ def check_device(op: str, name: str, t: Tensor, device: torch.device) -> None:
 
 
 def values_checkable(t: Tensor, full: bool) -> bool:
-    """Whether value checks run for ``t``: always in full mode, otherwise only where free (CPU)."""
-    return full or t.device.type == "cpu"
+    """Whether value checks run for ``t``: always in full mode, otherwise only where free: on the CPU, and not
+    while ``torch.compile`` traces (a check's branch on values would break the graph there)."""
+    return full or (t.device.type == "cpu" and not torch.compiler.is_compiling())
 
 
 def first_request(bad: Tensor) -> int | None:
