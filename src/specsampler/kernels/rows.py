@@ -573,11 +573,13 @@ def _above_pivots(logits_row, mask_row, V, m, inv_t, by_count, tau0, id0, pivots
     for start in tl.range(0, V, SEARCH_BLOCK, num_stages=STAGES):
         offs = start + tl.arange(0, SEARCH_BLOCK)
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
-        inside = in_prefix(x, offs, tau0, id0) & (offs < V)
-        c = tl.where(offs < V, _contribution(x, offs, m, inv_t, by_count, tau0, id0), 0.0)
-        above = order_key(x)[None, :] >= piv
-        s += tl.where(above, c[None, :], 0.0)
-        cnt += (above & inside[None, :]).to(tl.int32)
+        w = tl.where(by_count, 1.0, tl.exp((x - m) * inv_t))
+        # a token outside the prefix (or the row) gets the least key, below every pivot (pivots exceed a
+        # key): it adds to no sum, with no test per pivot
+        key = tl.where(in_prefix(x, offs, tau0, id0) & (offs < V), order_key(x), _INT32_MIN)
+        above = key[None, :] >= piv
+        s += tl.where(above, w[None, :], 0.0)
+        cnt += above.to(tl.int32)
     return tl.sum(s, axis=1), tl.sum(cnt, axis=1)
 
 
