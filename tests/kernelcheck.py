@@ -86,6 +86,19 @@ def row_reads(loaded: list, t: torch.Tensor) -> torch.Tensor:
     return hit.sum(0).view(B, R)
 
 
+def mlc_case(g: torch.Generator, V: int) -> tuple:
+    """Inputs of :func:`specsampler.mlc.batch_spec_verify` for two requests of 7 nodes: nodes 0-3 (root 0,
+    children 1 and 2, 3 under 1) and nodes 4-6 (root 4, a chain 5, 6): ``(draft_probs, draft_tokens,
+    model_probs, first_child, next_sibling, uniform_samples, parent_ptr)``, the last two in/out."""
+    first_child = torch.tensor([1, 3, -1, -1, 5, 6, -1], dtype=torch.int32)
+    next_sibling = torch.tensor([-1, 2, -1, -1, -1, -1, -1], dtype=torch.int32)
+    draft_probs = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
+    model = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
+    tokens = torch.multinomial(draft_probs, 1, generator=g)[:, 0].int()
+    u = torch.rand(7, generator=g)
+    return draft_probs, tokens, model, first_child, next_sibling, u, torch.tensor([0, 4], dtype=torch.int32)
+
+
 KERNEL_OPS = ("verify_chain", "verify_chain_from_logits", "verify_tree", "verify_tree_from_logits",
               "sample_from_logits", "sample", "mlc_batch_spec_verify")
 
@@ -112,21 +125,12 @@ def public_op_calls(device, V: int = 40) -> dict:
     qt = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
     mask = torch.rand(B, 1, V, generator=g) < 0.9
     mask[..., 0] = True
-    # MLC: nodes 0-3 of request 0 (children 1, 2 of the root, 3 under 1), nodes 4-6 of request 1 (a chain)
-    first_child = torch.tensor([1, 3, -1, -1, 5, 6, -1], dtype=torch.int32)
-    next_sibling = torch.tensor([-1, 2, -1, -1, -1, -1, -1], dtype=torch.int32)
-    mlc_q = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
-    mlc_p = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
-    mlc_x = torch.multinomial(mlc_q, 1, generator=g)[:, 0].int()
-    mlc_u = torch.rand(7, generator=g)
-    (logits, p, q, x, tree, xt, tree_logits, qt, mask, first_child, next_sibling, mlc_q, mlc_p, mlc_x,
-     mlc_u) = (t.to(device) for t in (logits, p, q, x, tree, xt, tree_logits, qt, mask, first_child, next_sibling,
-                                      mlc_q, mlc_p, mlc_x, mlc_u))
+    (logits, p, q, x, tree, xt, tree_logits, qt, mask) = (t.to(device) for t in (logits, p, q, x, tree, xt,
+                                                                                  tree_logits, qt, mask))
     params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.8, 1.1], device=device),
                                top_k=torch.tensor([0, 10, 0], device=device),
                                top_p=torch.tensor([1.0, 0.9, 0.8], device=device))
-
-    roots = torch.tensor([0, 4], dtype=torch.int32).to(device)
+    mlc_q, mlc_x, mlc_p, first_child, next_sibling, mlc_u, roots = (t.to(device) for t in mlc_case(g, V))
 
     def mlc_verify(rng):
         m, ptr = mlc_p.clone(), roots.clone()

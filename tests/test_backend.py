@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specsampler as ss
-from kernelcheck import KERNEL_OPS, public_op_calls
+from kernelcheck import KERNEL_OPS, mlc_case, public_op_calls
 from specsampler.kernels import use_triton
 
 pytest.importorskip("triton")
@@ -81,18 +81,10 @@ def test_verify_tree_gives_the_same_result_on_both_back_ends(monkeypatch, method
 def test_mlc_batch_spec_verify_mutates_the_same_way_on_both_back_ends(monkeypatch):
     from specsampler import mlc
 
-    g = torch.Generator().manual_seed(6)
-    V = 9
-    # two requests: nodes 0-3 (root 0, children 1 and 2, 3 under 1) and nodes 4-6 (root 4, chain 5, 6)
-    first_child = torch.tensor([1, 3, -1, -1, 5, 6, -1], dtype=torch.int32)
-    next_sibling = torch.tensor([-1, 2, -1, -1, -1, -1, -1], dtype=torch.int32)
-    draft_probs = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
-    model = torch.softmax(torch.randn(7, V, generator=g) * 2, -1)
-    tokens = torch.multinomial(draft_probs, 1, generator=g)[:, 0].int()
-    u = torch.rand(7, generator=g)
+    draft_probs, tokens, model, first_child, next_sibling, u, roots = mlc_case(torch.Generator().manual_seed(6), 9)
 
     def run():
-        m, ptr = model.clone(), torch.tensor([0, 4], dtype=torch.int32)
+        m, ptr = model.clone(), roots.clone()
         mlc.batch_spec_verify(draft_probs, tokens, m, first_child, next_sibling, u, ptr)
         return m, ptr
 
