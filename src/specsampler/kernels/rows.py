@@ -574,8 +574,8 @@ def _above_pivots(logits_row, mask_row, V, m, inv_t, by_count, tau0, id0, pivots
         offs = start + tl.arange(0, SEARCH_BLOCK)
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         w = tl.where(by_count, 1.0, tl.exp((x - m) * inv_t))
-        # a token outside the prefix (or the row) gets the least key, below every pivot (pivots exceed a
-        # key): it adds to no sum, with no test per pivot
+        # a token outside the prefix (or past the row) takes the least key, below every pivot (each above the
+        # search's lower bound, itself a key): it adds to no sum, with no test per pivot
         key = tl.where(in_prefix(x, offs, tau0, id0) & (offs < V), order_key(x), _INT32_MIN)
         above = key[None, :] >= piv
         s += tl.where(above, w[None, :], 0.0)
