@@ -17,6 +17,19 @@ def to_device(items):
     return type(items)(*moved) if hasattr(items, "_fields") else tuple(moved)
 
 
+def on_device(fn):
+    """``fn`` (a kernel launcher) with its tensor arguments moved to :data:`DEVICE` and its tensor outputs
+    (one, or a tuple) back on the CPU: tests written with CPU tensors run the real kernels on a GPU."""
+    def move(v):
+        return v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+
+    def run(*args, **kwargs):
+        out = fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+        return out.cpu() if isinstance(out, torch.Tensor) else tuple(t.cpu() for t in out)
+
+    return run
+
+
 def chain_shape(g: torch.Generator, b_max: int, k_max: int) -> tuple[int, int, int]:
     """A random (B, K, V): B in 1..b_max, K in 1..k_max, V in 3..300."""
     return (int(torch.randint(1, b_max + 1, (1,), generator=g)), int(torch.randint(1, k_max + 1, (1,), generator=g)),

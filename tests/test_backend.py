@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specsampler as ss
-from kernelcheck import KERNEL_OPS, mlc_case, public_op_calls
+from kernelcheck import DEVICE, KERNEL_OPS, mlc_case, public_op_calls, to_device
 from specsampler.kernels import use_triton
 
 pytest.importorskip("triton")
@@ -34,7 +34,8 @@ def test_a_bad_or_unusable_forced_back_end_is_a_clear_error(monkeypatch):
 
 
 def _both(monkeypatch, fn):
-    """fn() under the torch back end, then under the triton one (the interpreter on the CPU)."""
+    """fn() under the torch back end, then under the triton one. The tests' inputs are on ``DEVICE``: CPU
+    tensors (the kernels in the interpreter) without a GPU, CUDA tensors with one."""
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
     ref = fn()
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
@@ -50,6 +51,7 @@ def test_verify_chain_gives_the_same_result_on_both_back_ends(monkeypatch, metho
     x = torch.where(torch.rand(B, K, generator=g) < 0.7, p[:, :K].argmax(-1), torch.randint(0, V, (B, K), generator=g))
     q = q if method in ("token", "block") else None
     n = torch.tensor([3, 2, 0, 1, 3, 3])
+    p, x, q, n = to_device((p, x, q, n))
     for rng in (ss.Philox(torch.arange(B) * 7, 2), None):
         seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(9))
         ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_chain(p, x, q, num_drafts=n, method=method,
@@ -69,6 +71,7 @@ def test_verify_tree_gives_the_same_result_on_both_back_ends(monkeypatch, method
     p = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
     q = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1) if method in ("rrs", "traversal") else None
     x = torch.randint(0, V, (B, N), generator=g)
+    tree, p, q, x = to_device((tree, p, q, x))
     for rng in (ss.Philox(torch.arange(B), 5), None):
         seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(9))
         ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_tree(p, x, tree, q, method=method,
@@ -81,7 +84,8 @@ def test_verify_tree_gives_the_same_result_on_both_back_ends(monkeypatch, method
 def test_mlc_batch_spec_verify_mutates_the_same_way_on_both_back_ends(monkeypatch):
     from specsampler import mlc
 
-    draft_probs, tokens, model, first_child, next_sibling, u, roots = mlc_case(torch.Generator().manual_seed(6), 9)
+    draft_probs, tokens, model, first_child, next_sibling, u, roots = to_device(
+        mlc_case(torch.Generator().manual_seed(6), 9))
 
     def run():
         m, ptr = model.clone(), roots.clone()
@@ -102,6 +106,7 @@ def test_sampling_gives_the_same_tokens_on_both_back_ends(monkeypatch):
                                min_p=torch.tensor([0, 0, 0, 0, 0.1]))
     mask = torch.rand(B, 1, V, generator=g) < 0.9
     probs = torch.softmax(logits, -1)
+    logits, mask, probs = to_device((logits, mask, probs))
     for rng in (ss.Philox(torch.arange(B) * 3, 1), None):
         seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(2))
         ref, got = _both(monkeypatch, lambda seeded=seeded: ss.sample_from_logits(logits, params, seeded(), mask))
@@ -117,12 +122,12 @@ def test_the_kernel_ops_trace_whole_under_torch_compile_fullgraph(monkeypatch, n
     them without a graph break (aot_eager here; on a GPU, tests/test_gpu.py compiles with inductor)."""
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
     torch._dynamo.reset()
-    call = public_op_calls(CPU)[name]
+    call = public_op_calls(DEVICE)[name]
 
     def step(seed, offset):
         return call(ss.Philox(seed, offset))
 
-    args = (torch.arange(3), torch.full((3,), 4))
+    args = (torch.arange(3, device=DEVICE), torch.full((3,), 4, device=DEVICE))
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     got, want = compiled(*args), step(*args)
     for got_t, want_t in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (got, want)), strict=True):
@@ -139,7 +144,7 @@ def test_the_kernel_ops_pass_torch_library_opcheck(monkeypatch, name):
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
     calls, real = [], getattr(ops, name)
     monkeypatch.setattr(ops, name, lambda *a, **k: calls.append((a, k)) or real(*a, **k))
-    public_op_calls(CPU)[name](ss.Philox(torch.arange(3), torch.full((3,), 4)))
+    public_op_calls(DEVICE)[name](ss.Philox(torch.arange(3, device=DEVICE), torch.full((3,), 4, device=DEVICE)))
     assert len(calls) == 1, f"the public function called specsampler::{name} {len(calls)} times"
     torch.library.opcheck(getattr(torch.ops.specsampler, name).default, *calls[0])
 
@@ -156,6 +161,7 @@ def test_verify_chain_from_logits_gives_the_same_result_on_both_back_ends(monkey
     params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.8, 1.0, 1.2]), top_k=torch.tensor([0, 10, 0, 40]),
                                top_p=torch.tensor([1.0, 0.9, 0.85, 1.0]))
     mask = torch.rand(B, 1, V, generator=g) < 0.95
+    logits, q, x, mask = to_device((logits, q, x, mask))
     for rng in (ss.Philox(torch.arange(B) * 5, 3), None):
         seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(4))
         ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_chain_from_logits(
@@ -178,6 +184,7 @@ def test_verify_tree_from_logits_gives_the_same_result_on_both_back_ends(monkeyp
     params = ss.SamplingParams(temperature=torch.tensor([0.0, 0.7, 1.0]), top_k=torch.tensor([0, 8, 0]),
                                top_p=torch.tensor([1.0, 0.9, 0.8]))
     mask = torch.rand(B, 1, V, generator=g) < 0.95
+    tree, logits, x, q, mask = to_device((tree, logits, x, q, mask))
     for rng in (ss.Philox(torch.arange(B) * 5, 3), None):
         seeded = (lambda r=rng: r) if rng is not None else (lambda: torch.Generator().manual_seed(4))
         ref, got = _both(monkeypatch, lambda seeded=seeded: ss.verify_tree_from_logits(

@@ -1,4 +1,5 @@
-"""The sampling kernels (run in the Triton interpreter without a GPU) against specsampler.sample_from_logits / sample.
+"""The sampling kernels (run in the Triton interpreter without a GPU, on a GPU with one) against
+specsampler.sample_from_logits / sample on the CPU.
 
 Kernel and reference draw from the same random streams (in-kernel Philox at the documented
 counters, or the uniforms a torch.Generator gives the reference, passed in), so tokens must be
@@ -15,11 +16,14 @@ import pytest
 import torch
 
 import specsampler as ss
+from kernelcheck import DEVICE, on_device
 from specsampler import SamplingParams as SP
 from specsampler.kernels import rows as rows_module
 from specsampler.kernels import sampling as ksampling
 from specsampler.kernels.rows import parts_per_row, row_config
 from specsampler.rng import STREAM_SAMPLE, uniform
+
+sample_from_logits, sample = on_device(ksampling.sample_from_logits), on_device(ksampling.sample)
 
 VOCABS = [1, 2, 5, 17, 64, 65, 100, 130, 257, 300]
 
@@ -40,11 +44,11 @@ def _kernel(logits, params, rng, vocab_mask=None, chunk=64, cand=256):
     if isinstance(rng, ss.Philox):
         seed, offset = rng.keys("test", B, logits.device)
         index = torch.arange(M).repeat(B)
-        out = ksampling.sample_from_logits(rows, *_row_params(params, B, M), mask, seed.repeat_interleave(M),
+        out = sample_from_logits(rows, *_row_params(params, B, M), mask, seed.repeat_interleave(M),
                                            offset.repeat_interleave(M), index, **kw)
     else:
         u = uniform(rng, "test", B, M, STREAM_SAMPLE, logits.device).reshape(-1)
-        out = ksampling.sample_from_logits(rows, *_row_params(params, B, M), mask, u=u, **kw)
+        out = sample_from_logits(rows, *_row_params(params, B, M), mask, u=u, **kw)
     return out[0].view(logits.shape[:-1]), out[1].view(logits.shape[:-1])
 
 
@@ -232,9 +236,9 @@ def test_rows_scanned_in_parts_draw_the_same_tokens_bit_for_bit(monkeypatch):
         rows = logits.to(dtype)
         args = (rows, *_row_params(params, 9, 1), None if vocab_mask is None else vocab_mask.contiguous(), seed,
                 offset, torch.zeros(9, dtype=torch.int64))
-        whole = ksampling.sample_from_logits(*args, chunk=8, cand=16, tile=64, parts=0)
+        whole = sample_from_logits(*args, chunk=8, cand=16, tile=64, parts=0)
         for parts in (2, 7):  # 5 tiles of 64: parts of 3 and 2 tiles; of one tile, and two empty parts
-            split = ksampling.sample_from_logits(*args, chunk=8, cand=16, tile=64, parts=parts)
+            split = sample_from_logits(*args, chunk=8, cand=16, tile=64, parts=parts)
             assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1]), f"{dtype} parts {parts}"
     assert whole[0][5] == 0 and whole[1][5] == float("-inf")  # the masked row (last case)
     # by size on a GPU of 132 SMs (two programs each): parts that fill the 264 slots, at most one per tile
@@ -285,16 +289,16 @@ def test_wide_nuclei_of_every_size_draw_as_the_reference():
 
 def test_strided_rows_are_read_in_place():
     g = torch.Generator().manual_seed(6)
-    wide = torch.randn(4, 150, generator=g)
-    logits = wide[:, :100]
+    wide = torch.randn(4, 150, generator=g).to(DEVICE)
+    logits = wide[:, :100]  # a view on DEVICE (a copy there would be contiguous)
     assert not logits.is_contiguous()
     params = SP(temperature=torch.tensor([1.0, 0.0, 1.3, 0.9]), top_k=torch.tensor([0, 0, 9, 0]),
                 top_p=torch.tensor([1.0, 1.0, 0.8, 0.6]))
     rp = _row_params(params, 4, 1)
     seed, offset = torch.arange(4), torch.zeros(4, dtype=torch.int64)
-    tokens, _ = ksampling.sample_from_logits(logits, *rp, None, seed, offset, torch.zeros(4, dtype=torch.int64),
+    tokens, _ = sample_from_logits(logits, *rp, None, seed, offset, torch.zeros(4, dtype=torch.int64),
                                              chunk=8, cand=16)
-    assert torch.equal(tokens, _reference(logits.contiguous(), params, ss.Philox(seed, offset))[0])
+    assert torch.equal(tokens, _reference(logits.cpu().contiguous(), params, ss.Philox(seed, offset))[0])
 
 
 def test_launchers_take_philox_keys_or_uniforms_not_both():
@@ -302,10 +306,10 @@ def test_launchers_take_philox_keys_or_uniforms_not_both():
     rp = _row_params(SP(), 2, 1)
     keys = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="either seed, offset and index"):
-        ksampling.sample_from_logits(logits, *rp, None, keys, keys, keys, torch.rand(2))
+        sample_from_logits(logits, *rp, None, keys, keys, keys, torch.rand(2))
     with pytest.raises(ValueError, match="either seed, offset and index"):
-        ksampling.sample(logits.softmax(-1))
-    tokens, logprobs = ksampling.sample_from_logits(logits[:0], *(t[:0] for t in rp), u=torch.rand(0))
+        sample(logits.softmax(-1))
+    tokens, logprobs = sample_from_logits(logits[:0], *(t[:0] for t in rp), u=torch.rand(0))
     assert tokens.shape == logprobs.shape == (0,)
 
 
@@ -319,10 +323,10 @@ def test_sample_kernel_draws_the_reference_tokens(V):
     probs[1, : V // 2] = 0.0
     for chunk in (64, 4):
         seed, offset = torch.arange(B) * 31, torch.full((B,), 2)
-        tokens = ksampling.sample(probs, seed, offset, torch.zeros(B, dtype=torch.int64), chunk=chunk)
+        tokens = sample(probs, seed, offset, torch.zeros(B, dtype=torch.int64), chunk=chunk)
         assert torch.equal(tokens, ss.sample(probs, ss.Philox(seed, offset))), (V, chunk)
         u = uniform(torch.Generator().manual_seed(V), "test", B, 1, STREAM_SAMPLE, probs.device).reshape(-1)
-        tokens = ksampling.sample(probs, u=u, chunk=chunk)
+        tokens = sample(probs, u=u, chunk=chunk)
         assert torch.equal(tokens, ss.sample(probs, torch.Generator().manual_seed(V))), (V, chunk)
         assert tokens[0] == 0
         assert (probs[torch.arange(B), tokens][1:] > 0).all()
@@ -333,7 +337,7 @@ def test_sample_kernel_stays_in_range_on_bad_probabilities():
     V = 9
     probs = torch.tensor([[0.0] * V, [math.nan] * V, [-1.0] * V, [math.inf] + [1.0] * (V - 1), [-1.0, 2.0] * 4 + [0.0]])
     for chunk in (64, 4):
-        tokens = ksampling.sample(probs, u=torch.rand(5), chunk=chunk)
+        tokens = sample(probs, u=torch.rand(5), chunk=chunk)
         assert ((tokens >= 0) & (tokens < V)).all()
         assert tokens[4] % 2 == 1  # negative entries weigh 0
 
