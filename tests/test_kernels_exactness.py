@@ -4,6 +4,7 @@ and on a GPU at full size (``-m gpu``, with SPECSAMPLER_FULL_MC=1 for 200k trial
 import pytest
 
 from conftest import mc_trials
+from kernelcheck import DEVICE
 from specsampler.exactness import chain_monte_carlo, tree_monte_carlo
 from stats import assert_exact
 
@@ -23,9 +24,10 @@ def _run(kind, method, drafting, trials, device):
 
 @pytest.mark.montecarlo
 @pytest.mark.parametrize("kind, method, drafting", INTERPRETED)
-def test_kernels_in_the_interpreter_are_exact(monkeypatch, kind, method, drafting):
+def test_kernels_are_exact_at_a_small_size(monkeypatch, kind, method, drafting):
+    """In the interpreter without a GPU (CI); on the GPU with one (the real kernels, quickly)."""
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
-    assert_exact(_run(kind, method, drafting, mc_trials(3_000, 300), "cpu"), f"{kind} {method} {drafting}")
+    assert_exact(_run(kind, method, drafting, mc_trials(3_000, 300), DEVICE), f"{kind} {method} {drafting}")
 
 
 ON_GPU = [("chain", m, None) for m in ("token", "block", "target_only")] + [
