@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_session.sh check   # every kernel test and the GPU-only tests on the GPU
 #   bash benchmarks/gpu_session.sh exact   # the exactness Monte Carlo against the kernels, full size
 #   bash benchmarks/gpu_session.sh bench   # benchmarks/gpu.py -> $OUT/gpu-<device>.json (+ FlashInfer
-#                                          #   baselines when .flashinfer/ is carried: flashinfer_carry.sh)
+#                                          #   baselines when .flashinfer/ is carried: flashinfer_carry.sh;
+#                                          #   $GPU_ARGS go to gpu.py, as for tune)
 #   bash benchmarks/gpu_session.sh tune    # tuning: every benchmark shape, kernels only, under each setting
 #                                          #   of $SETTINGS (';'-separated lists of environment assignments;
 #                                          #   default: pipelining depth SPECSAMPLER_PIPELINE_STAGES 1 and 4 with
@@ -115,14 +116,16 @@ case "$phase" in
     fi
     # compile every variant in parallel with one untimed pass per part (the chains per vocabulary: five
     # variants each), and FlashInfer's sampling module
-    parallel "$OUT/bench-compile.log" "${fi_job[@]}" \
-      chain-128k "python3 benchmarks/gpu.py --only chain --chain-vocab 128256 --reps 1 --inner 1" \
-      chain-200k "python3 benchmarks/gpu.py --only chain --chain-vocab 200064 --reps 1 --inner 1" \
-      sampling "python3 benchmarks/gpu.py --only sampling --reps 1 --inner 1" \
-      tree "python3 benchmarks/gpu.py --only tree --reps 1 --inner 1"
+    chains=(chain-128k "python3 benchmarks/gpu.py --only chain --chain-vocab 128256 --reps 1 --inner 1"
+            chain-200k "python3 benchmarks/gpu.py --only chain --chain-vocab 200064 --reps 1 --inner 1")
+    [[ "${GPU_ARGS:-}" == *--quick* ]] && chains=(chain "python3 benchmarks/gpu.py --only chain --reps 1 --inner 1 $GPU_ARGS")
+    parallel "$OUT/bench-compile.log" "${fi_job[@]}" "${chains[@]}" \
+      sampling "python3 benchmarks/gpu.py --only sampling --reps 1 --inner 1 ${GPU_ARGS:-}" \
+      tree "python3 benchmarks/gpu.py --only tree --reps 1 --inner 1 ${GPU_ARGS:-}"
     tail -n 2 "$OUT/bench-compile.log"
-    name=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
-    python3 benchmarks/gpu.py --out "$OUT/gpu-$name.json" 2>&1 | tee "$OUT/bench.log"
+    name=$(python3 -c "import torch
+print(torch.cuda.get_device_name().lower().replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
+    python3 benchmarks/gpu.py ${GPU_ARGS:-} --out "$OUT/gpu-$name.json" 2>&1 | tee "$OUT/bench.log"
     ;;
   tune)
     IFS=';' read -ra settings <<<"${SETTINGS:-SPECSAMPLER_PIPELINE_STAGES=1 SPECSAMPLER_PROGRAMS_PER_SM=1;\

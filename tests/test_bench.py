@@ -87,3 +87,39 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
                         "--inner", "1", "--no-baselines", "--chain-vocab", vocab, "--out", str(out)], check=True,
                        capture_output=True, timeout=300, env=env)
         assert [r["shape"]["method"] for r in json.loads(out.read_text())] == methods
+
+
+def test_the_gpu_session_script_runs_its_bench_and_tune_phases_on_the_cpu(tmp_path):
+    """benchmarks/gpu_session.sh (the one command of a GPU session's device call) with ``GPU_ARGS=--quick`` on
+    the CPU, a stand-in ``nvidia-smi`` on the PATH: its parallel compile passes, the bench run and its JSON,
+    and tune's runs under two settings, compared side by side."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root, work = Path(__file__).parents[1], tmp_path / "repo"  # run where no .flashinfer/ pack lies
+    work.mkdir()
+    for part in ("src", "benchmarks"):
+        (work / part).symlink_to(root / part)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'CPU stand-in, 0 MiB, none'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECSAMPLER_")}
+    # the script's python3: this environment's (its bin folder, where a venv's python3 finds the venv)
+    env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env['PATH']}", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               GPU_ARGS="--quick --device cpu --reps 1 --inner 1",
+               SETTINGS="SPECSAMPLER_PIPELINE_STAGES=1;SPECSAMPLER_PIPELINE_STAGES=4")
+    for phase in ("bench", "tune"):
+        done = subprocess.run(["bash", "benchmarks/gpu_session.sh", phase], cwd=work, timeout=600,
+                              env={**env, "OUT": str(tmp_path / phase)}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = (tmp_path / "bench").glob("gpu-*.json")  # gpu-cpu.json, or named after a GPU the machine has
+    records = json.loads(result.read_text())
+    assert [r["op"] for r in records] == (["chain_verify_from_logits"] * 2 + ["sample_from_logits"] * 3
+                                          + ["tree_verify_from_logits"])
+    assert all(set(r["baselines"]) == {"torch"} for r in records)
+    assert "=== chain" in (tmp_path / "bench" / "bench-compile.log").read_text()
+    compared = (tmp_path / "tune" / "tune-compare.txt").read_text()
+    assert "stages=1 per_sm=2" in compared and "stages=4 per_sm=2" in compared and compared.count("\n") == 7
