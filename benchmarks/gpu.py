@@ -193,14 +193,17 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
 
 
 def sampling_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
-    """The targets' shapes (top-k and top-p), then, at the largest batch, two diagnostics: the same rows
-    with plain temperature (the first pass and the draw only) and greedy (one pass): what the top-k /
-    top-p work after the first pass costs."""
+    """The targets' shapes (top-k and top-p), then diagnostics: at the largest batch the same rows with plain
+    temperature (the first pass and the draw only) and greedy (one pass), what the top-k / top-p work after
+    the first pass costs; at the smallest and the largest batch top-p alone, whose nucleus (about 2% of
+    these rows) is found by the pivot search."""
     V, batches = (32000, (16,)) if quick else (128256, (1, 64, 256))
     out = [rec for B in batches for rec in sampling_shape(device, g, gd, rate, reps, inner, B, V, TEMPERATURE, TOP_K,
                                                           TOP_P)]
     out += sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, TEMPERATURE, 0, 1.0)
     out += sampling_shape(device, g, gd, rate, reps, inner, batches[-1], V, 0.0, 0, 1.0)
+    for B in sorted({batches[0], batches[-1]}):
+        out += sampling_shape(device, g, gd, rate, reps, inner, B, V, TEMPERATURE, 0, TOP_P)
     return out
 
 
@@ -215,9 +218,13 @@ def sampling_shape(device, g, gd, rate, reps, inner, B, V, temperature, top_k, t
     else:
         shape = {"B": B, "V": V, "top_k": top_k, "top_p": top_p}
         base = {"torch": lambda: bench.sort_sampler(logits, temperature, top_k, top_p, gd)}
-        if fis is not None:
-            base["flashinfer"] = ((lambda: fis.top_k_top_p_sampling_from_logits(logits, top_k, top_p)) if top_k
-                                  else (lambda: fis.sampling_from_logits(logits)))
+        # FlashInfer's functions from logits take no temperature: the rows' is TEMPERATURE, 1
+        if fis is not None and top_k:
+            base["flashinfer"] = lambda: fis.top_k_top_p_sampling_from_logits(logits, top_k, top_p)
+        elif fis is not None and top_p < 1:
+            base["flashinfer"] = lambda: fis.top_p_sampling_from_probs(fis.softmax(logits, temperature), top_p)
+        elif fis is not None:
+            base["flashinfer"] = lambda: fis.sampling_from_logits(logits)
     out = []
     parts = parts_per_row(B, V, row_config(V), device) if use_triton(device) else 0
     if use_triton(device):

@@ -71,10 +71,11 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
     for out, extra in ((with_base, []), (without, ["--no-baselines"])):
         subprocess.run([*common, *extra, "--out", str(out)], check=True, capture_output=True, timeout=300, env=env)
     a, b = json.loads(with_base.read_text()), json.loads(without.read_text())
-    assert [r["op"] for r in a] == ["sample_from_logits"] * 3 and [r["shape"] for r in a] == [r["shape"] for r in b]
+    assert [r["op"] for r in a] == ["sample_from_logits"] * 4 and [r["shape"] for r in a] == [r["shape"] for r in b]
     assert [r["shape"] for r in a] == [{"B": 16, "V": 32000, "top_k": 50, "top_p": 0.95},  # the target's, and
                                        {"B": 16, "V": 32000, "top_k": 0, "top_p": 1.0},  # the diagnostics
-                                       {"B": 16, "V": 32000, "greedy": True}]
+                                       {"B": 16, "V": 32000, "greedy": True},
+                                       {"B": 16, "V": 32000, "top_k": 0, "top_p": 0.95}]
     assert all(set(r["baselines"]) == {"torch"} for r in a) and all(r["baselines"] == {} for r in b)
     assert a[0]["pipeline_stages"] == 4 and a[0]["programs_per_sm"] == 2 and a[0]["median_us"] > 0
     shown = subprocess.run([sys.executable, str(script), "--compare", str(with_base), str(without)], check=True,
@@ -117,9 +118,9 @@ def test_the_gpu_session_script_runs_its_bench_and_tune_phases_on_the_cpu(tmp_pa
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (result,) = (tmp_path / "bench").glob("gpu-*.json")  # gpu-cpu.json, or named after a GPU the machine has
     records = json.loads(result.read_text())
-    assert [r["op"] for r in records] == (["chain_verify_from_logits"] * 2 + ["sample_from_logits"] * 3
+    assert [r["op"] for r in records] == (["chain_verify_from_logits"] * 2 + ["sample_from_logits"] * 4
                                           + ["tree_verify_from_logits"])
     assert all(set(r["baselines"]) == {"torch"} for r in records)
     assert "=== chain" in (tmp_path / "bench" / "bench-compile.log").read_text()
     compared = (tmp_path / "tune" / "tune-compare.txt").read_text()
-    assert "stages=1 per_sm=2" in compared and "stages=4 per_sm=2" in compared and compared.count("\n") == 7
+    assert "stages=1 per_sm=2" in compared and "stages=4 per_sm=2" in compared and compared.count("\n") == 8
