@@ -6,7 +6,8 @@ import contextlib
 import numpy as np
 import torch
 
-from specsampler import TokenTree
+import specsampler as ss
+from specsampler import TokenTree, mlc
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -116,15 +117,17 @@ KERNEL_OPS = ("verify_chain", "verify_chain_from_logits", "verify_tree", "verify
               "sample_from_logits", "sample", "mlc_batch_spec_verify")
 
 
+def as_tuple(out) -> tuple:
+    """A call's output tensors: one tensor, or a tuple of them, as a tuple."""
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
 def public_op_calls(device, V: int = 40) -> dict:
     """One call of each public function that runs a kernel (a torch custom op) on ``device``, by the
     op's name (:data:`KERNEL_OPS`): ``{name: fn(rng) -> the call's output tensors}`` (``rng`` a
     :class:`specsampler.Philox` over 3 requests). Sampled drafts, top-k / top-p rows, a vocabulary mask
     and a tree with two branches: the ops' optional arguments are given. Every tensor is on ``device``
     before a call: the calls copy nothing from the host."""
-    import specsampler as ss
-    from specsampler import mlc
-
     g = torch.Generator().manual_seed(21)
     B, K, N = 3, 2, 4
     logits = torch.randn(B, K + 1, V, generator=g) * 3

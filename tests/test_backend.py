@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specsampler as ss
-from kernelcheck import DEVICE, KERNEL_OPS, mlc_case, public_op_calls, to_device
+from kernelcheck import DEVICE, KERNEL_OPS, as_tuple, mlc_case, public_op_calls, to_device
 from specsampler.kernels import use_triton
 
 pytest.importorskip("triton")
@@ -129,9 +129,8 @@ def test_the_kernel_ops_trace_whole_under_torch_compile_fullgraph(monkeypatch, n
 
     args = (torch.arange(3, device=DEVICE), torch.full((3,), 4, device=DEVICE))
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    got, want = compiled(*args), step(*args)
-    for got_t, want_t in zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (got, want)), strict=True):
-        assert torch.equal(got_t, want_t)
+    for got, want in zip(as_tuple(compiled(*args)), as_tuple(step(*args)), strict=True):
+        assert torch.equal(got, want), f"{name}: compiled and eager differ"
 
 
 @pytest.mark.parametrize("name", KERNEL_OPS)

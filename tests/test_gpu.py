@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import specsampler as ss
-from kernelcheck import KERNEL_OPS, public_op_calls
+from kernelcheck import KERNEL_OPS, as_tuple, public_op_calls
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -98,10 +98,6 @@ def test_tree_and_sampling_ops_capture_in_a_graph():
             assert torch.equal(out, op(ss.Philox(torch.arange(B, device=CUDA), step)))
 
 
-def _tensors(out) -> tuple:
-    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
-
-
 @pytest.mark.parametrize("name", KERNEL_OPS)
 def test_every_kernel_op_runs_without_host_sync_and_replays_in_a_graph(name):
     """Each public function that runs a kernel: no host synchronisation once its kernels are compiled
@@ -122,7 +118,7 @@ def test_every_kernel_op_runs_without_host_sync_and_replays_in_a_graph(name):
         offset.fill_(step)
         graph.replay()
         eager = call(ss.Philox(seed, torch.full_like(offset, step)))
-        for got, want in zip(_tensors(out), _tensors(eager), strict=True):
+        for got, want in zip(as_tuple(out), as_tuple(eager), strict=True):
             assert torch.equal(got, want), f"{name}: graph replay at offset {step} differs from the eager run"
 
 
@@ -139,7 +135,7 @@ def test_ops_work_under_torch_compile_fullgraph(name):
         return call(ss.Philox(seed, offset))
 
     compiled = torch.compile(step, fullgraph=True)
-    for got, want in zip(_tensors(compiled(seed, offset)), _tensors(step(seed, offset)), strict=True):
+    for got, want in zip(as_tuple(compiled(seed, offset)), as_tuple(step(seed, offset)), strict=True):
         assert torch.equal(got, want), f"{name}: compiled and eager differ"
 
 

@@ -45,7 +45,7 @@ def _kernel(logits, params, rng, vocab_mask=None, chunk=64, cand=256):
         seed, offset = rng.keys("test", B, logits.device)
         index = torch.arange(M).repeat(B)
         out = sample_from_logits(rows, *_row_params(params, B, M), mask, seed.repeat_interleave(M),
-                                           offset.repeat_interleave(M), index, **kw)
+                                 offset.repeat_interleave(M), index, **kw)
     else:
         u = uniform(rng, "test", B, M, STREAM_SAMPLE, logits.device).reshape(-1)
         out = sample_from_logits(rows, *_row_params(params, B, M), mask, u=u, **kw)
@@ -297,7 +297,7 @@ def test_strided_rows_are_read_in_place():
     rp = _row_params(params, 4, 1)
     seed, offset = torch.arange(4), torch.zeros(4, dtype=torch.int64)
     tokens, _ = sample_from_logits(logits, *rp, None, seed, offset, torch.zeros(4, dtype=torch.int64),
-                                             chunk=8, cand=16)
+                                   chunk=8, cand=16)
     assert torch.equal(tokens, _reference(logits.cpu().contiguous(), params, ss.Philox(seed, offset))[0])
 
 
