@@ -90,6 +90,10 @@ PY
     python3 -c "import flashinfer.sampling" 2>&1 | tail -3; } | tee "$OUT/flashinfer.log"
 }
 
+# the chain shapes' compile passes, one per vocabulary (about five variants each); --quick has one chain shape
+chain_parts=("chain --chain-vocab 128256" "chain --chain-vocab 200064")
+[[ "${GPU_ARGS:-}" == *--quick* ]] && chain_parts=(chain)
+
 case "$phase" in
   check)
     # the kernel tests launch ~360 distinct kernel specialisations (shapes, dtypes, flags, tuning; counted
@@ -114,14 +118,12 @@ case "$phase" in
       flashinfer_setup
       fi_job=(flashinfer 'python3 -c "$FI_BUILD"')
     fi
-    # compile every variant in parallel with one untimed pass per part (the chains per vocabulary: five
-    # variants each), and FlashInfer's sampling module
-    chains=(chain-128k "python3 benchmarks/gpu.py --only chain --chain-vocab 128256 --reps 1 --inner 1"
-            chain-200k "python3 benchmarks/gpu.py --only chain --chain-vocab 200064 --reps 1 --inner 1")
-    [[ "${GPU_ARGS:-}" == *--quick* ]] && chains=(chain "python3 benchmarks/gpu.py --only chain --reps 1 --inner 1 $GPU_ARGS")
-    parallel "$OUT/bench-compile.log" "${fi_job[@]}" "${chains[@]}" \
-      sampling "python3 benchmarks/gpu.py --only sampling --reps 1 --inner 1 ${GPU_ARGS:-}" \
-      tree "python3 benchmarks/gpu.py --only tree --reps 1 --inner 1 ${GPU_ARGS:-}"
+    # compile every variant in parallel with one untimed pass per part, and FlashInfer's sampling module
+    jobs=()
+    for part in "${chain_parts[@]}" sampling tree; do
+      jobs+=("${part// /-}" "python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 ${GPU_ARGS:-}")
+    done
+    parallel "$OUT/bench-compile.log" "${fi_job[@]}" "${jobs[@]}"
     tail -n 2 "$OUT/bench-compile.log"
     name=$(python3 -c "import torch
 print(torch.cuda.get_device_name().lower().replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
@@ -130,11 +132,9 @@ print(torch.cuda.get_device_name().lower().replace(' ', '-') if torch.cuda.is_av
   tune)
     IFS=';' read -ra settings <<<"${SETTINGS:-SPECSAMPLER_PIPELINE_STAGES=1 SPECSAMPLER_PROGRAMS_PER_SM=1;\
 SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE_STAGES=4;SPECSAMPLER_PIPELINE_STAGES=6}"
-    parts=("chain --chain-vocab 128256" "chain --chain-vocab 200064" sampling tree)
-    [[ "${GPU_ARGS:-}" == *--quick* ]] && parts=(chain sampling tree)  # --quick has one chain shape, V=32000
     jobs=()
     for i in "${!settings[@]}"; do
-      for part in "${parts[@]}"; do
+      for part in "${chain_parts[@]}" sampling tree; do
         jobs+=("compile-$i-${part// /-}" "env ${settings[$i]} python3 benchmarks/gpu.py --only $part --reps 1 --inner 1 --no-baselines ${GPU_ARGS:-}")
       done
     done
