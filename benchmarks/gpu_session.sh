@@ -16,7 +16,7 @@
 #                                          #   ($GPU_ARGS go to gpu.py: "--quick" is a smoke test on any device)
 #
 # Compiling is the slow part of a first run: each kernel variant (method, flags, dtypes, tuning, vocabulary
-# size) takes seconds to a minute or more on one core (tests/compile_kernels.py measured 30-80 s per tree or
+# size) takes seconds to a minute or more on one core (tests/helpers/compile_kernels.py measured 30-80 s per tree or
 # chain kernel from logits on this project's CPU machine), and the kernel tests launch ~360 of them. So the
 # tests run in 16 parallel processes (the machine has 16 cores), the benchmark's parts are compiled in
 # parallel before it is timed, and the Triton cache is kept in the git-ignored .triton-cache/, which a warm
@@ -98,8 +98,8 @@ case "$phase" in
   check)
     # the kernel tests launch ~360 distinct kernel specialisations (shapes, dtypes, flags, tuning; counted
     # in the interpreter), each compiled once: spread the tests over 16 processes, a few at a time
-    files="tests/test_gpu.py tests/test_kernels_sampling.py tests/test_kernels_chain.py tests/test_kernels_chain_logits.py
-           tests/test_kernels_tree.py tests/test_kernels_tree_logits.py tests/test_kernels_mlc.py tests/test_backend.py"
+    files="tests/kernels/test_gpu.py tests/kernels/test_kernels_sampling.py tests/kernels/test_kernels_chain.py tests/kernels/test_kernels_chain_logits.py
+           tests/kernels/test_kernels_tree.py tests/kernels/test_kernels_tree_logits.py tests/kernels/test_kernels_mlc.py tests/kernels/test_backend.py"
     python3 -m pytest -q --collect-only -p no:cacheprovider $files | grep "::" >/tmp/check-nodes.txt
     rm -f /tmp/check-part-*.log
     xargs -a /tmp/check-nodes.txt -d '\n' -P 16 -n 4 \
@@ -109,8 +109,8 @@ case "$phase" in
     grep -hE "passed|failed|error" /tmp/check-part-*.log | sort | uniq -c
     ;;
   exact)
-    SPECSAMPLER_FULL_MC=1 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_exactness.py \
-      tests/test_mlc_sampler.py tests/test_mlc_verify.py 2>&1 | tee "$OUT/exact.log"
+    SPECSAMPLER_FULL_MC=1 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernels_exactness.py \
+      tests/mlc/test_mlc_sampler.py tests/mlc/test_mlc_verify.py 2>&1 | tee "$OUT/exact.log"
     ;;
   bench)
     fi_job=()

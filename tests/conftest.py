@@ -1,4 +1,8 @@
 import os
+import sys
+
+# Shared helpers of the tests (reference loops, statistics, kernel checks) live apart from the tests.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 
 # Triton kernels run in the interpreter where there is no GPU (must be set before triton is imported).
 try:

@@ -1,12 +1,14 @@
 """specsampler: token sampling and lossless speculative-decoding verification on PyTorch.
 
-The public API is the contract of DESIGN.md; every name below is documented with its
-shapes and dtypes.
+The public API is the contract of DESIGN.md; every name below is documented with its shapes and
+dtypes. ``import specsampler`` loads the core (sampling, verification, the kernels' dispatch);
+``mlc``, ``longspec``, ``oracle``, ``generate``, ``compat`` and ``parallel`` load when first used.
+Where things live: ARCHITECTURE.md.
 """
 
-from . import longspec, mlc, oracle
-from .chain import ChainResult, verify_chain, verify_chain_from_logits
-from .kv import compact_kv
+import importlib
+
+from . import _legacy
 from .params import SamplingParams
 from .rng import Philox
 from .sampling import (
@@ -18,9 +20,29 @@ from .sampling import (
     top_k_renorm,
     top_p_renorm,
 )
-from .tree import TokenTree
-from .treeverify import TreeResult, verify_tree, verify_tree_from_logits
 from .validation import ValidationError
+from .verify import (
+    ChainResult,
+    TokenTree,
+    TreeResult,
+    compact_kv,
+    verify_chain,
+    verify_chain_from_logits,
+    verify_tree,
+    verify_tree_from_logits,
+)
+
+_legacy.install()
+
+_LAZY = {"longspec", "mlc", "oracle", "generate", "compat", "parallel"}
+
+
+def __getattr__(name: str):
+    # ``specsampler.mlc`` etc. as attributes without importing them with the core.
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ChainResult",

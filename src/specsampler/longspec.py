@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kv import Cache, compact_kv
+from .verify.kv import Cache, compact_kv
 from .params import SamplingParams
 from .rng import Philox, check_rng
-from .tree import TokenTree
-from .treeverify import verify_tree_from_logits
+from .verify.token_tree import TokenTree
+from .verify.tree import verify_tree_from_logits
 from .validation import check_shape, check_tensor, fail
 
 

@@ -1,0 +1,250 @@
+"""Sampling API: logits to processed probabilities, filters on probabilities, categorical draws.
+
+Processing (DESIGN.md): vocab mask, temperature, top-k, top-p on the top-k-renormalised
+distribution, min-p, renormalise. Temperature 0 is greedy: a one-hot row at the argmax.
+"Order" is logit (or probability) desc, id asc: top-k keeps exactly k tokens with ties
+to the lower id, and top-p keeps the smallest prefix of that order whose mass reaches p.
+How it is done without sorting the vocabulary: :mod:`specsampler.processing`.
+
+Sampling draws one uniform ``u`` per row (see :mod:`specsampler.rng` for the counters) and
+returns the first id, in id order, whose cumulative probability exceeds ``u * total``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..kernels import use_triton
+from ..params import RowParams, SamplingParams
+from .processing import in_vector_body, process, sample_by_inversion
+from ..rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
+from ..validation import (
+    check_logits_values,
+    check_mode,
+    check_no_bad,
+    check_probs_values,
+    check_tensor,
+    fail,
+    shape_str,
+)
+
+
+class SampleOutput(NamedTuple):
+    """Result of :func:`sample_from_logits`; ``[B, ...]`` is the leading shape of the logits.
+
+    tokens: int64 ``[B, ...]``, in ``[0, V)``.
+    logprobs: float32 ``[B, ...]``, log-probability of each token under the processed distribution.
+    top_token_ids: int64 ``[B, ..., N]`` (``num_logprobs = N``), the N most likely tokens of the
+        processed distribution, most likely first; ``-1`` where it has fewer than N tokens.
+        ``None`` when ``N == 0``.
+    top_logprobs: float32 ``[B, ..., N]``, their log-probabilities (``-inf`` at ``-1``), or ``None``.
+    """
+
+    tokens: Tensor
+    logprobs: Tensor
+    top_token_ids: Tensor | None
+    top_logprobs: Tensor | None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _leading(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
+    """(B, M, V) of a ``[B, ..., V]`` tensor: M rows per request."""
+    check_tensor(op, name, t, kind="float", ndim=(2, 8))
+    B, V = t.shape[0], t.shape[-1]
+    if V == 0:
+        fail(op, name, "a vocabulary dimension V >= 1", f"shape {shape_str(t.shape)}")
+    return B, (t.numel() // (B * V)) if B else 0, V
+
+
+def logit_inputs(op, logits, params, vocab_mask, full) -> tuple[RowParams, Tensor | None, int, int]:
+    """Validate the inputs of an op on logits ``[B, ..., V]``.
+
+    Returns the parameters of each of the ``R = B * M`` rows, the vocab mask broadcast to the
+    logits' shape (a view, or None), B and M. Reads no logits unless ``full``.
+    """
+    B, M, V = _leading(op, "logits", logits)
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        fail(op, "params", "a SamplingParams or None", type(params).__name__)
+    rp = params.rows(op, B, M, logits.device, full)
+    mask = None
+    if vocab_mask is not None:
+        check_tensor(op, "vocab_mask", vocab_mask, kind="bool")
+        try:
+            mask = vocab_mask.to(logits.device).expand(logits.shape)
+        except RuntimeError:
+            fail(op, "vocab_mask", f"a shape broadcastable to logits {shape_str(logits.shape)}",
+                 shape_str(vocab_mask.shape))
+        if full:
+            none_allowed = ~mask.any(-1)
+            check_no_bad(op, "vocab_mask", none_allowed, none_allowed, "at least one allowed token per row")
+    if full:
+        check_logits_values(op, "logits", logits)
+    return rp, mask, B, M
+
+
+def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
+    """Validated, masked float32 rows ``[R, V]`` and their parameters, B and M."""
+    rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full)
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V).float()
+    if mask is not None:
+        x = x.masked_fill(~mask.reshape(-1, V), float("-inf"))
+    return x, rp, B, M
+
+
+@torch.no_grad()
+def logits_to_probs(
+    logits: Tensor,
+    params: SamplingParams | None = None,
+    vocab_mask: Tensor | None = None,
+    *,
+    validate: str = "structure",
+) -> Tensor:
+    """The processed target distribution.
+
+    Args:
+        logits: float32/bf16/fp16 ``[B, ..., V]``.
+        params: per-request :class:`SamplingParams` (scalars or ``[B]``); default: temperature 1.
+        vocab_mask: bool, broadcastable to ``[B, ..., V]``; True = allowed. Applied first.
+        validate: ``"structure"`` or ``"full"``.
+    Returns:
+        float32 ``[B, ..., V]``, each row summing to 1 (greedy rows one-hot at the argmax;
+        a row with no allowed finite logit is all 0).
+    """
+    op = "logits_to_probs"
+    full = check_mode(op, validate)
+    x, rp, _, _ = logit_rows(op, logits, params, vocab_mask, full)
+    return process(x, rp, logits=True).dense().reshape(logits.shape)
+
+
+def _renorm(op: str, probs: Tensor, params: SamplingParams, validate: str) -> Tensor:
+    full = check_mode(op, validate)
+    B, M, V = _leading(op, "probs", probs)
+    if full:
+        check_probs_values(op, "probs", probs)
+    rp = params.rows(op, B, M, probs.device, full)
+    return process(probs.reshape(-1, V).float(), rp, logits=False).dense().reshape(probs.shape)
+
+
+@torch.no_grad()
+def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structure") -> Tensor:
+    """Keep the ``top_k`` most likely tokens of each row (ties to the lower id) and renormalise.
+
+    probs: float ``[B, ..., V]`` (need not be normalised); top_k: int or int tensor ``[B]``,
+    ``<= 0`` or ``>= V`` is off. Returns float32 ``[B, ..., V]``.
+    """
+    return _renorm("top_k_renorm", probs, SamplingParams(top_k=top_k), validate)
+
+
+@torch.no_grad()
+def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "structure") -> Tensor:
+    """Keep the smallest prefix of the (prob desc, id asc) order whose mass reaches ``top_p``.
+
+    probs: float ``[B, ..., V]``; top_p: float in (0, 1] or float tensor ``[B]``.
+    Returns float32 ``[B, ..., V]``, renormalised.
+    """
+    return _renorm("top_p_renorm", probs, SamplingParams(top_p=top_p), validate)
+
+
+@torch.no_grad()
+def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "structure") -> Tensor:
+    """Keep tokens with probability ``>= min_p * max probability`` of their row, renormalised.
+
+    probs: float ``[B, ..., V]``; min_p: float in [0, 1] or float tensor ``[B]``.
+    Returns float32 ``[B, ..., V]``.
+    """
+    return _renorm("min_p_renorm", probs, SamplingParams(min_p=min_p), validate)
+
+
+@torch.no_grad()
+def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, validate: str = "structure") -> Tensor:
+    """Draw one token from each distribution (categorical over the last dim).
+
+    probs: float ``[B, ..., V]``, non-negative (need not be normalised).
+    rng: ``None``, a ``torch.Generator`` or :class:`Philox` (row ``(b, j)`` uses request b's
+    stream, index j = flat position inside the request).
+    Returns int64 ``[B, ...]`` in ``[0, V)``.
+    """
+    op = "sample"
+    full = check_mode(op, validate)
+    check_rng(op, rng)
+    B, M, V = _leading(op, "probs", probs)
+    if full:
+        check_probs_values(op, "probs", probs)
+    if use_triton(probs.device):
+        from ..kernels import ops
+
+        seed, offset, index, u = _row_randomness(rng, op, B, M, probs.device)
+        return ops.sample(probs.reshape(-1, V), seed, offset, index, u).reshape(probs.shape[:-1])
+    u = uniform(rng, op, B, M, STREAM_SAMPLE, probs.device).reshape(-1)
+    return sample_by_inversion(probs.reshape(-1, V).float(), u).reshape(probs.shape[:-1])
+
+
+def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
+    """For the sampling kernels: per row (``B * M``, request-major) the Philox seed, offset and
+    draw index, or (with another rng) the uniforms the reference draws."""
+    seed, offset, (u,) = kernel_randomness(rng, op, B, M, (STREAM_SAMPLE,), device)
+    if seed is None:
+        return None, None, None, u.reshape(-1)
+    index = torch.arange(M, device=device).repeat(B)
+    return seed.repeat_interleave(M), offset.repeat_interleave(M), index, None
+
+
+@torch.no_grad()
+def sample_from_logits(
+    logits: Tensor,
+    params: SamplingParams | None = None,
+    rng: torch.Generator | Philox | None = None,
+    vocab_mask: Tensor | None = None,
+    num_logprobs: int = 0,
+    *,
+    validate: str = "structure",
+) -> SampleOutput:
+    """Process the logits (see :func:`logits_to_probs`) and draw one token per row.
+
+    Draws the same token as ``sample(logits_to_probs(logits, params, vocab_mask), rng)`` for
+    the same random stream (up to float rounding at a cumulative-probability boundary),
+    without building the dense distribution when the kept set is small.
+
+    Args:
+        logits: float32/bf16/fp16 ``[B, ..., V]``.
+        params: :class:`SamplingParams`, scalars or per request ``[B]``; temperature 0 = greedy.
+        rng: ``None``, a ``torch.Generator`` or :class:`Philox`.
+        vocab_mask: bool broadcastable to ``[B, ..., V]``, True = allowed.
+        num_logprobs: N >= 0; also return the N most likely tokens and their log-probabilities.
+    Returns:
+        :class:`SampleOutput`.
+    """
+    op = "sample_from_logits"
+    full = check_mode(op, validate)
+    check_rng(op, rng)
+    if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
+        fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
+    lead = logits.shape[:-1]
+    if num_logprobs == 0 and use_triton(logits.device):  # top-N log-probabilities: the PyTorch path
+        from ..kernels import ops
+
+        rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full)
+        V = logits.shape[-1]
+        seed, offset, index, u = _row_randomness(rng, op, B, M, logits.device)
+        mask = None if mask is None else mask.reshape(-1, V)  # a view where it can be: the kernel takes row strides
+        tokens, logprobs = ops.sample_from_logits(logits.reshape(-1, V), rp.temperature, rp.top_k, rp.top_p,
+                                                  rp.min_p, mask, seed, offset, index, u)
+        return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
+    x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
+    proc = process(x, rp, logits=True, min_candidates=num_logprobs)
+    u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
+    tokens = proc.sample(u)
+    logprobs = in_vector_body(torch.log, proc.prob(tokens)).reshape(lead)
+    top_ids = top_lp = None
+    if num_logprobs:
+        top_ids, top_lp = proc.top(num_logprobs)
+        top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
+    return SampleOutput(tokens.reshape(lead), logprobs, top_ids, top_lp)

@@ -1,0 +1,361 @@
+"""Chain verification: one draft chain per request, checked against the target in one pass.
+
+Notation (DESIGN.md): p_i = target distribution at position i (after i drafts), q_i = the
+distribution draft x_i was drawn from, K_b = ``num_drafts[b]``. Positions 0..K_b-1 hold
+drafts; row K_b is the bonus position. Every method emits the accepted drafts and then
+exactly one token, so a request always advances by ``num_accepted + 1`` tokens.
+
+- ``token`` (Leviathan et al. / Chen et al.): accept x_i iff ``u_i * q_i(x_i) < p_i(x_i)``;
+  at the first rejection i emit ``y ~ norm(max(p_i - q_i, 0))`` (``p_i`` if that is all 0);
+  all accepted: ``y ~ p_{K_b}``.
+- ``block`` (Sun et al. 2024): ``a_0 = 1``, ``a_{i+1} = min(1, a_i p_i(x_i) / q_i(x_i))``,
+  ``w_i = max(a_i p_i - q_i, 0)``, ``S_i = sum(w_i)``, ``h_0 = 1``,
+  ``h_i = S_i / (S_i + 1 - a_i)`` for ``0 < i < K_b`` (0 when ``S_i = 0``), ``h_{K_b} = a_{K_b}``;
+  ``tau = max{i : eta_i < h_i}``; emit ``x_<tau`` then ``y ~ norm(w_tau)`` (``tau < K_b``)
+  or ``y ~ p_{K_b}``. The test ``eta < h`` is strict, like every acceptance test here
+  (DESIGN.md writes ``<=``: the same in distribution, and an ``h = 0`` is never taken).
+- ``target_only`` (deterministic drafts, seed 002's sample-then-compare): draw
+  ``y_i ~ p_i`` at every position, accept while ``y_i == x_i``, emit the first mismatch
+  (or ``y_{K_b}``).
+- ``greedy``: the same with ``y_i = argmax p_i`` (ties to the lowest id).
+
+A draft id outside ``[0, V)`` is never accepted. Randomness (see :mod:`specsampler.rng`)
+follows the chain seen as a tree (root = node 0, draft x_i = node i+1): ``u_i`` is
+``STREAM_ACCEPT`` index i+1, ``eta_i`` index i; the draw at position i (target-only draws,
+the correction or bonus token) is ``STREAM_SAMPLE`` index i. So a chain-shaped tree
+verified by ``rrs`` / ``traversal`` draws the same tokens as ``token`` / ``block`` here.
+
+Only the work that is needed: the residual or bonus distribution is built for the one
+position where each request stops (block needs ``S_i`` at every position, by its rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from ..kernels import use_triton
+from ..params import SamplingParams
+from ..sampling.processing import Processed, process, row_sum, sample_by_inversion
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
+from ..sampling.ops import logit_inputs, logit_rows
+from ..validation import (
+    check_device,
+    check_logits_values,
+    check_method,
+    check_mode,
+    check_no_bad,
+    check_probs_values,
+    check_shape,
+    check_tensor,
+    check_token_values,
+    fail,
+    values_checkable,
+)
+
+METHODS = ("token", "block", "target_only", "greedy")
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    """Outcome of a chain verification.
+
+    tokens: int64 ``[B, K+1]``: the accepted drafts, then exactly one correction or bonus
+        token, then ``-1``.
+    num_accepted: int64 ``[B]``: accepted drafts (the request emits ``num_accepted + 1``).
+    expected_accepted: float32 ``[B]``: the expected number of accepted drafts given these
+        drafts (and draft distributions), a headroom meter. For deterministic drafts
+        (``target_only``) it is ``sum_i prod_{j<=i} p_j(x_j)``; ``greedy``: the count itself.
+    """
+
+    tokens: Tensor
+    num_accepted: Tensor
+    _expected: Callable[[], Tensor] = field(repr=False, compare=False)
+
+    @cached_property
+    def expected_accepted(self) -> Tensor:
+        """Computed on first access (where the kernels ran, it reads rows they did not need)."""
+        with torch.no_grad():
+            return self._expected().float()
+
+    @property
+    def num_emitted(self) -> Tensor:
+        """int64 ``[B]``: tokens the request advances by (``num_accepted + 1``)."""
+        return self.num_accepted + 1
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """Validated inputs. x: int64 ``[B, K]`` clamped into ``[0, V)``; usable: the drafts that
+    may be accepted (in range and before ``num_drafts``); q: float32 ``[B, K, V]`` or None."""
+
+    B: int
+    K: int
+    V: int
+    method: str
+    x: Tensor
+    x_raw: Tensor
+    usable: Tensor
+    num_drafts: Tensor
+    q: Tensor | None
+
+
+def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts, method, full, logits) -> _Chain:
+    check_tensor(op, target_name, target, kind="float", ndim=3)
+    B, K1, V = target.shape
+    if K1 < 1 or V < 1:
+        fail(op, target_name, "shape [B, K+1, V] with K+1 >= 1 and V >= 1", list(target.shape))
+    K, dev = K1 - 1, target.device
+    check_tensor(op, "draft_tokens", draft_tokens, kind="int", ndim=2)
+    check_shape(op, "draft_tokens", draft_tokens, (B, K), f"[B, K] (K+1 = {K1} rows of {target_name})")
+    check_device(op, "draft_tokens", draft_tokens, dev)
+    method, q = check_method(op, method, METHODS, ("token", "block"), draft_probs, (B, K, V), "[B, K, V]", dev)
+    if num_drafts is None:
+        n = torch.full((B,), K, dtype=torch.int64, device=dev)
+    else:
+        check_tensor(op, "num_drafts", num_drafts, kind="int", ndim=1)
+        check_shape(op, "num_drafts", num_drafts, (B,), "[B]")
+        check_device(op, "num_drafts", num_drafts, dev)
+        n = num_drafts.long()
+        if values_checkable(n, full):
+            check_no_bad(op, "num_drafts", (n < 0) | (n > K), n, f"values in [0, K] = [0, {K}]")
+    pos = torch.arange(K, device=dev)
+    x_raw = draft_tokens.long()
+    in_range = (x_raw >= 0) & (x_raw < V)
+    if full:
+        check_token_values(op, "draft_tokens", torch.where(pos < n[:, None], x_raw, 0), V)
+        (check_logits_values if logits else check_probs_values)(op, target_name, target)
+        if q is not None:
+            check_probs_values(op, "draft_probs", q)
+    return _Chain(B, K, V, method, x_raw.clamp(0, V - 1), x_raw, in_range & (pos < n[:, None]), n, q)
+
+
+def _leading_run(ok: Tensor) -> Tensor:
+    """int64 ``[B]``: length of the leading run of True in ``[B, K]``."""
+    return ok.long().cumprod(1).sum(1)
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``min(1, num / den)`` with ``num == 0 -> 0`` and ``den == 0 < num -> 1``."""
+    return torch.where(num > 0, torch.where(num >= den, 1.0, num / den), 0.0)
+
+
+def _p_x(c: _Chain, target: Processed) -> Tensor:
+    """float32 ``[B, K]``: the target probability of each draft at its position."""
+    return target.prob(torch.nn.functional.pad(c.x, (0, 1)).view(-1)).view(c.B, c.K + 1)[:, : c.K]
+
+
+def _block_terms(c: _Chain, target: Processed, p_x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Block verification's ``a`` ``[B, K+1]``, dense ``p`` ``[B, K+1, V]``, ``w = max(a p - q, 0)``
+    ``[B, K, V]`` and ``h`` ``[B, K+1]`` (0 past ``num_drafts``, ``a`` at it, ``h_0 = 1``)."""
+    B, K, dev = c.B, c.K, c.x.device
+    q_x = c.q.gather(2, c.x[..., None])[..., 0]
+    a = torch.ones(B, K + 1, device=dev)
+    for i in range(K):
+        a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
+    p = target.dense().view(B, K + 1, c.V)
+    w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
+    s = row_sum(w)
+    pos = torch.arange(K + 1, device=dev)
+    h = torch.nn.functional.pad(torch.where(s > 0, s / (s + 1 - a[:, :K]), 0.0), (0, 1))
+    h = torch.where(pos == c.num_drafts[:, None], a, torch.where(pos > c.num_drafts[:, None], 0.0, h))
+    h[:, 0] = 1.0
+    return a, p, w, h
+
+
+def _expected(c: _Chain, target: Processed | None, n: Tensor) -> Tensor:
+    """:attr:`ChainResult.expected_accepted` given the drafts (``n``: the accepted counts, for greedy)."""
+    if c.method == "greedy":
+        return n.float()
+    p_x = _p_x(c, target)
+    if c.method == "target_only":
+        return torch.where(c.usable, p_x, 0.0).cumprod(1).sum(1)
+    if c.method == "token":
+        q_x = c.q.gather(2, c.x[..., None])[..., 0]
+        return torch.where(c.usable, _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
+    return _block_expected(_block_terms(c, target, p_x)[3])
+
+
+def _block_expected(h: Tensor) -> Tensor:
+    """Block verification's expected accepted drafts from its ``h`` ``[B, K+1]``: sum of i P(tau = i)."""
+    later = torch.flip(torch.cumprod(torch.flip(1 - h, (1,)), 1), (1,))  # prod_{j >= i} (1 - h_j)
+    p_tau = h * torch.nn.functional.pad(later[:, 1:], (0, 1), value=1.0)
+    return (p_tau * torch.arange(h.shape[1], device=h.device)).sum(1)
+
+
+def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rng, op: str) -> ChainResult:
+    """Run method ``c.method`` on the target distributions (rows ``b * (K+1) + i``)."""
+    B, K, dev = c.B, c.K, c.x.device
+    batch = torch.arange(B, device=dev)
+    u_draw = uniform(rng, op, B, K + 1, STREAM_SAMPLE, dev)
+    if c.method == "greedy":
+        n = _leading_run((greedy_draws[:, :K] == c.x) & c.usable)
+        return _result(c, n, greedy_draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, None, n))
+    p_x = _p_x(c, target)
+    if c.method == "target_only":
+        draws = target.sample(u_draw.view(-1)).view(B, K + 1)
+        n = _leading_run((draws[:, :K] == c.x) & c.usable)
+        return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, target, n))
+    q_x = c.q.gather(2, c.x[..., None])[..., 0]
+    if c.method == "token":
+        u = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)[:, 1:]  # draft i is node i+1 of the chain
+        n = _leading_run((u * q_x < p_x) & c.usable)
+        stop_rows = batch * (K + 1) + n
+        stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
+        if K:
+            rejected = n < c.num_drafts
+            q_rows = c.q.reshape(B * K, -1).index_select(0, batch * K + n.clamp(max=K - 1))
+            stop.sub_(q_rows.mul_(rejected[:, None])).clamp_(min=0.0)
+            empty = rejected & ~(stop.sum(-1) > 0)
+            if bool(empty.any()):  # a residual without mass: draw from p itself
+                stop[empty] = target.select(stop_rows[empty]).dense()
+        y = sample_by_inversion(stop, u_draw.gather(1, n[:, None])[:, 0])
+        return _result(c, n, y, lambda: _expected(c, target, n))
+    # block
+    a, p, w, h = _block_terms(c, target, p_x)
+    pos = torch.arange(K + 1, device=dev)
+    eta = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)
+    take = (eta < h) | (pos == 0)
+    tau = torch.where(take, pos, 0).amax(1)
+    bonus = p[batch, tau]
+    stop = bonus
+    if K:
+        residual = w[batch, tau.clamp(max=K - 1)]
+        stop = torch.where((tau < c.num_drafts)[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, bonus)
+    y = sample_by_inversion(stop, u_draw.gather(1, tau[:, None])[:, 0])
+    return _result(c, tau, y, lambda: _block_expected(h))
+
+
+def _verify_kernel(c: _Chain, target_probs: Tensor, rng, op: str) -> ChainResult:
+    """:func:`verify_chain` by its Triton kernel (the same draws as :func:`_verify`)."""
+    from ..kernels import ops
+
+    streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
+    u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
+    tokens, n = ops.verify_chain(target_probs, c.x_raw, c.q, c.num_drafts, c.method, seed, offset, u_accept, u_sample)
+
+    def expected() -> Tensor:
+        rows = target_probs.reshape(-1, c.V).float()
+        return _expected(c, Processed.from_dense(rows), n)
+
+    return ChainResult(tokens, n, expected)
+
+
+def _verify_from_logits_kernel(c: _Chain, logits: Tensor, params, vocab_mask, full: bool, rng, op: str) -> ChainResult:
+    """:func:`verify_chain_from_logits` by its Triton kernel (the same draws as the reference)."""
+    from ..kernels import ops
+
+    rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full)
+    streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
+    u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
+    tokens, n = ops.verify_chain_from_logits(logits, c.x_raw, c.q, c.num_drafts, c.method, rp.temperature, rp.top_k,
+                                             rp.top_p, rp.min_p, mask, seed, offset, u_accept, u_sample)
+
+    def expected() -> Tensor:
+        x, rp_rows, _, _ = logit_rows(op, logits, params, vocab_mask, False)
+        if c.method == "greedy":
+            return _expected(c, None, n)
+        return _expected(c, process(x, rp_rows, logits=True), n)
+
+    return ChainResult(tokens, n, expected)
+
+
+def _result(c: _Chain, n: Tensor, y: Tensor, expected: Callable[[], Tensor]) -> ChainResult:
+    pos = torch.arange(c.K + 1, device=n.device)
+    drafts = torch.nn.functional.pad(c.x_raw, (0, 1), value=-1)
+    tokens = torch.where(pos < n[:, None], drafts, torch.where(pos == n[:, None], y[:, None], -1))
+    return ChainResult(tokens, n, expected)
+
+
+@torch.no_grad()
+def verify_chain(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None = None,
+    *,
+    num_drafts: Tensor | None = None,
+    method: str = "auto",
+    rng: torch.Generator | Philox | None = None,
+    validate: str = "structure",
+) -> ChainResult:
+    """Verify one draft chain per request against target probabilities.
+
+    Args:
+        target_probs: float ``[B, K+1, V]``: the target distribution at each draft position;
+            row ``num_drafts[b]`` (default K) is the bonus position.
+        draft_tokens: integer ``[B, K]``.
+        draft_probs: float ``[B, K, V]``: the distribution each draft token was drawn from
+            (``token``, ``block``); None for deterministic drafts.
+        num_drafts: integer ``[B]`` in ``[0, K]``: request b uses its first ``num_drafts[b]``
+            drafts (ragged chains). Default: all K.
+        method: ``"token"``, ``"block"``, ``"target_only"``, ``"greedy"`` or ``"auto"``
+            (token with draft_probs, else target_only).
+        rng: ``None``, a ``torch.Generator`` or :class:`Philox`.
+        validate: ``"structure"`` or ``"full"``.
+    Returns:
+        :class:`ChainResult`; tokens always in ``[0, V)`` or ``-1``, whatever the values.
+    """
+    op = "verify_chain"
+    full = check_mode(op, validate)
+    check_rng(op, rng)
+    c = _check_chain(op, target_probs, "target_probs", draft_tokens, draft_probs, num_drafts, method, full, False)
+    if use_triton(target_probs.device):
+        return _verify_kernel(c, target_probs, rng, op)
+    rows = target_probs.reshape(-1, c.V).float()
+    if c.method == "greedy":
+        return _verify(c, None, rows.argmax(-1).view(c.B, c.K + 1), rng, op)
+    return _verify(c, Processed.from_dense(rows), None, rng, op)
+
+
+@torch.no_grad()
+def verify_chain_from_logits(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    params: SamplingParams | None = None,
+    *,
+    draft_probs: Tensor | None = None,
+    num_drafts: Tensor | None = None,
+    method: str = "auto",
+    rng: torch.Generator | Philox | None = None,
+    vocab_mask: Tensor | None = None,
+    validate: str = "structure",
+) -> ChainResult:
+    """Process the target logits per request, then verify (see :func:`verify_chain`).
+
+    Each request's :class:`SamplingParams` (temperature 0 = greedy, top-k, top-p, min-p) and
+    ``vocab_mask`` apply at all its positions; greedy and sampled requests mix in one batch.
+    Deterministic drafts (``target_only``) take seed 002's path: one draw per position from
+    the processed target, compared with the draft; the draws are those of
+    :func:`specsampler.sample_from_logits` on the same ``rng``. Sampled drafts
+    (``token``, ``block``) are verified against the processed target; ``draft_probs`` must be
+    the distributions the drafts were drawn from.
+
+    Args:
+        target_logits: float32/bf16/fp16 ``[B, K+1, V]``.
+        draft_tokens: integer ``[B, K]``.
+        params: per-request :class:`SamplingParams` (scalars or ``[B]``).
+        draft_probs: float ``[B, K, V]`` or None.
+        num_drafts: integer ``[B]`` in ``[0, K]``.
+        method: as for :func:`verify_chain`; ``greedy`` takes the argmax of the masked logits.
+        rng: ``None``, a ``torch.Generator`` or :class:`Philox`.
+        vocab_mask: bool, broadcastable to ``[B, K+1, V]`` (e.g. per position), True = allowed.
+        validate: ``"structure"`` or ``"full"``.
+    Returns:
+        :class:`ChainResult`.
+    """
+    op = "verify_chain_from_logits"
+    full = check_mode(op, validate)
+    check_rng(op, rng)
+    c = _check_chain(op, target_logits, "target_logits", draft_tokens, draft_probs, num_drafts, method, full, True)
+    if use_triton(target_logits.device):
+        return _verify_from_logits_kernel(c, target_logits, params, vocab_mask, full, rng, op)
+    x, rp, _, _ = logit_rows(op, target_logits, params, vocab_mask, full)
+    if c.method == "greedy":
+        return _verify(c, None, x.argmax(-1).view(c.B, c.K + 1), rng, op)
+    return _verify(c, process(x, rp, logits=True), None, rng, op)

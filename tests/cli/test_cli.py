@@ -1,0 +1,62 @@
+import subprocess
+import sys
+
+import pytest
+
+from specsampler.cli import main
+from specsampler.cli.demo import RUNS
+
+
+def test_tour_runs_and_shows_sampling_chains_and_trees(capsys):
+    assert main(["tour", "--vocab", "2000"]) == 0
+    out = capsys.readouterr().out
+    for fragment in ("greedy", "top_p=0.9", "draft chain", "block", "target_only", "first_child"):
+        assert fragment in out
+
+
+def test_check_reports_every_chain_method_exact(capsys):
+    assert main(["check", "--trials", "20000", "--only", "chain"]) == 0
+    out = capsys.readouterr().out
+    for method in ("token", "block", "target_only", "greedy"):
+        assert method in out
+    assert "all exact" in out and "FAIL" not in out and "Tree" not in out
+
+
+def test_check_reports_every_tree_method_exact(capsys):
+    assert main(["check", "--trials", "10000", "--only", "tree"]) == 0
+    out = capsys.readouterr().out
+    for rule in ("rrs / iid", "rrs / without_replacement", "traversal / iid", "target_only / top_k"):
+        assert rule in out
+    assert "all exact" in out and "FAIL" not in out
+
+
+def test_console_script_entry_point():
+    res = subprocess.run([sys.executable, "-m", "specsampler.cli", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "demo" in res.stdout and "check" in res.stdout
+
+
+def test_demo_generates_with_the_built_in_pair_and_every_method(capsys):
+    pytest.importorskip("transformers")
+    assert main(["demo", "--max-new-tokens", "12", "--prompt", "def f(x):\n    return", "--prompt", "import"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.splitlines()]
+    for label, _ in RUNS:
+        assert sum(line.startswith(label) for line in lines) == 3, label  # its text for each prompt, its table row
+    assert "tokens/target call" in out and "speedup (target calls)" in out
+    rows = [line for line in out.splitlines() if line.startswith(("plain sampling", "chain", "tree"))][-len(RUNS):]
+    plain = rows[0].split()
+    assert plain[2:5] == ["1.00", "-", "12"]  # one token per target call, 12 calls
+    speedups = [float(r.split()[-1].rstrip("x")) for r in rows[1:]]
+    assert min(speedups) >= 1.0 and max(speedups) > 1.5  # drafts accepted: fewer target calls
+
+
+def test_demo_takes_local_model_directories(capsys):
+    pytest.importorskip("transformers")
+    from specsampler.generate.modelpair import PAIR_DIR
+
+    args = ["demo", "--target", str(PAIR_DIR / "target"), "--draft", str(PAIR_DIR / "draft"), "--max-new-tokens",
+            "6", "--prompt", "x = "]
+    assert main(args) == 0
+    assert "tree traversal" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--draft needs --target"):
+        main(["demo", "--draft", str(PAIR_DIR / "draft")])

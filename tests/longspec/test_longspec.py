@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from conftest import mc_trials
+from specsampler import TokenTree, longspec, oracle
+from specsampler.verify.exactness import Table, encode, encode_dist, random_model, shape_parents, tree_inputs
+from stats import assert_counts_match
+
+
+def _reference_greedy(input_ids, output_ids, mask, non_leaf_len):
+    """LongSpec's rule, one request at a time."""
+    B, N = input_ids.shape
+    acc_ids, acc_num, double = [], [], []
+    for b in range(B):
+        parent = [max([j for j in range(N) if mask[b, i, j] and j != i], default=0) for i in range(N)]
+        ok = [i == 0 or int(output_ids[b, parent[i]]) == int(input_ids[b, i]) for i in range(N)]
+        verified = [bool(mask[b, i, i]) and all(ok[j] for j in range(N) if mask[b, i, j]) for i in range(N)]
+        last = max(i for i in range(N) if verified[i])
+        path = [j for j in range(N) if mask[b, last, j]]
+        acc_ids.append([int(output_ids[b, j]) for j in path])
+        acc_num.append(len(path))
+        double.append(int(last >= non_leaf_len))
+    return acc_ids, acc_num, double
+
+
+def test_tree_verification_follows_longspec_semantics():
+    torch.manual_seed(0)
+    B, V = 200, 3
+    parents = torch.tensor([shape_parents([2, 2, 1])] * B)
+    tree = TokenTree.from_parents(parents)
+    N = tree.size
+    mask = tree.mask().int()  # LongSpec's masks are numeric
+    input_ids = torch.randint(0, V, (B, N))
+    output_ids = torch.randint(0, V, (B, N))
+    non_leaf_len = 7
+    acc_ids, acc_num, double = longspec.tree_verification(input_ids, output_ids, mask, torch.zeros(B, dtype=torch.long),
+                                                          non_leaf_len)
+    ref_ids, ref_num, ref_double = _reference_greedy(input_ids, output_ids, mask.bool(), non_leaf_len)
+    assert acc_num.tolist() == ref_num and double.tolist() == ref_double and double.dtype == torch.int32
+    for b in range(B):
+        assert acc_ids[b].tolist() == ref_ids[b] + [-1] * (acc_ids.shape[1] - len(ref_ids[b]))
+    assert acc_ids.shape == (B, tree.max_depth + 1) and (acc_num > 2).any()
+
+
+def test_tree_verification_moves_the_kv_cache_of_the_accepted_path():
+    # chain 0 -> 1 -> 2 plus a branch 0 -> 3; target agrees with node 3's branch
+    input_ids = torch.tensor([[9, 1, 2, 4]])
+    output_ids = torch.tensor([[4, 7, 7, 5]])  # after root: 4 (node 3 verified); after node 3: 5 (bonus)
+    mask = TokenTree.from_parents(torch.tensor([[-1, 0, 1, 0]])).mask()
+    cache = torch.arange(10.0).view(1, 10, 1, 1)  # [B, S, H, D]: LongSpec's layout
+    acc_ids, acc_num, double = longspec.tree_verification(input_ids, output_ids, mask, torch.tensor([2]), 2,
+                                                          kv_cache=[cache])
+    assert acc_ids.tolist() == [[4, 5, -1]] and acc_num.tolist() == [2] and double.tolist() == [1]
+    assert cache[0, :6, 0, 0].tolist() == [0, 1, 2, 5, 4, 5]  # node 3 (position 5) moved to position 3
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize("drafting", ["deterministic", "iid", "without_replacement"])
+def test_verify_stochastic_is_lossless(drafting):
+    V, shape, T = 4, [2, 2], mc_trials(200_000, 40_000)
+    target, draft = random_model(V, 31), random_model(V, 32)
+    P, Q = Table(target, V, 2), Table(draft, V, 1)
+    sampling = "top_k" if drafting == "deterministic" else drafting
+    p, x, q, tree = tree_inputs(P, Q, shape, T, sampling, torch.Generator().manual_seed(0))
+    temperature = 0.7
+    # LongSpec's inputs: logits after each node; p_ssm row v = the draft distribution of v's children
+    p_llm = p.log() * temperature
+    parents = tree.parents
+    q_after = torch.zeros_like(q)
+    for c in range(1, tree.size):
+        q_after[:, parents[0, c]] = q[:, c]
+    q_after[q_after.sum(-1) == 0] = 1.0 / V
+    p_ssm = q_after.log() * temperature
+    from specsampler import Philox
+
+    acc_ids, acc_num = longspec.verify_stochastic(x, tree.mask(), p_llm, p_ssm, temperature,
+                                                  draft_sampling=drafting, rng=Philox(torch.arange(T)))
+    assert (acc_ids[:, 0] == x[:, 0]).all() and ((acc_num >= 2) & (acc_num <= 4)).all()
+    method = "target_only" if drafting == "deterministic" else "rrs"
+    exact = oracle.tree(target, draft, shape, method, V, draft_sampling=sampling)
+    expected = encode_dist(exact.sequences, 3, V)
+    codes = encode(acc_ids[:, 1:], V)
+    keys = sorted(set(expected) | set(codes.unique().tolist()))
+    counts = torch.bincount(torch.searchsorted(torch.tensor(keys), codes), minlength=len(keys))
+    assert_counts_match(counts.numpy(), [expected.get(k, 0.0) for k in keys], label=drafting)
+
+
+def test_verify_stochastic_survives_an_empty_residual_and_is_seedable():
+    B, V = 64, 3
+    tree = TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]] * B))
+    logits = torch.log(torch.tensor([0.5, 0.5, 1e-30])).expand(B, 4, V).contiguous()
+    x = torch.tensor([[0, 2, 2, 1]]).expand(B, 4)
+    from specsampler import Philox
+
+    def run(seed):
+        return longspec.verify_stochastic(x, tree.mask(), logits, logits, 1.0, draft_sampling="iid", rng=Philox(seed))
+
+    a, b, c = run(torch.arange(B)), run(torch.arange(B)), run(torch.arange(B) + 1000)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    assert ((a[0] >= -1) & (a[0] < V)).all()
+
+
+def test_longspec_bad_inputs_are_named():
+    mask = TokenTree.from_parents(torch.tensor([[-1, 0, 0]])).mask()
+    x = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"temperature: expected a number > 0"):
+        longspec.verify_stochastic(x, mask, torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), 0.0)
+    with pytest.raises(ValueError, match=r"draft_sampling: expected one of"):
+        longspec.verify_stochastic(x, mask, torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), 1.0, draft_sampling="topk")
+    with pytest.raises(ValueError, match=r"output_ids: expected shape \[B, N\] \(as tree_mask\) = \[1, 3\]"):
+        longspec.tree_verification(x, torch.zeros(1, 2, dtype=torch.long), mask, torch.zeros(1, dtype=torch.long), 1)
+    bad = mask.clone()
+    bad[0, 0, 0] = False
+    with pytest.raises(ValueError, match=r"TokenTree.from_mask: mask\[0, 0\]"):
+        longspec.tree_verification(x, x, bad, torch.zeros(1, dtype=torch.long), 1)

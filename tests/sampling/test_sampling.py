@@ -1,0 +1,717 @@
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import specsampler as ss
+from conftest import mc_trials
+from naive import naive_probs
+from specsampler import SamplingParams as SP
+from stats import assert_counts_match
+
+# ----------------------------------------------------------------------------- exact cases
+
+
+def test_top_k_keeps_exactly_k_with_ties_to_the_lower_id():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]])
+    probs = ss.logits_to_probs(logits, SP(top_k=3))
+    assert (probs[0] > 0).nonzero()[:, 0].tolist() == [1, 2, 3]
+    probs = ss.logits_to_probs(logits, SP(top_k=4))
+    assert (probs[0] > 0).nonzero()[:, 0].tolist() == [1, 2, 3, 4]
+
+
+def test_top_k_off_when_not_positive_or_at_least_vocab():
+    logits = torch.randn(3, 9)
+    dense = ss.logits_to_probs(logits)
+    for k in (0, -5, 9, 100):
+        torch.testing.assert_close(ss.logits_to_probs(logits, SP(top_k=k)), dense)
+
+
+def test_top_k_renormalises_the_kept_mass():
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3]])
+    torch.testing.assert_close(ss.top_k_renorm(probs, 2), torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7]]))
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(0.5, [0]), (0.75, [0, 1]), (0.7500001, [0, 1, 2]), (0.875, [0, 1, 2]), (0.9, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_keeps_the_smallest_prefix_that_reaches_p(top_p, kept):
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    out = ss.top_p_renorm(probs, top_p)
+    assert (out[0] > 0).nonzero()[:, 0].tolist() == kept
+    torch.testing.assert_close(out[0, kept], probs[0, kept] / probs[0, kept].sum())
+
+
+def test_top_p_breaks_ties_by_the_lower_id():
+    probs = torch.tensor([[0.2, 0.2, 0.4, 0.2]])
+    assert (ss.top_p_renorm(probs, 0.6)[0] > 0).nonzero()[:, 0].tolist() == [0, 2]
+    assert (ss.top_p_renorm(probs, 0.7)[0] > 0).nonzero()[:, 0].tolist() == [0, 1, 2]
+
+
+def test_top_p_applies_to_the_top_k_renormalised_distribution():
+    # top-k 2 leaves {0: 0.6, 1: 0.4} of (0.3, 0.2, 0.25, 0.25)... after renormalisation
+    probs = torch.tensor([[0.3, 0.2, 0.25, 0.25]])
+    logits = probs.log()
+    # order: 0 (0.3), 2 (0.25), 3 (0.25), 1 (0.2); top-2 = {0, 2}: 0.545, 0.455; top_p 0.5 keeps {0}
+    out = ss.logits_to_probs(logits, SP(top_k=2, top_p=0.5))
+    assert (out[0] > 0).nonzero()[:, 0].tolist() == [0]
+    # without top-k the nucleus for 0.5 is {0, 2} (0.3 < 0.5 before token 2)
+    assert (ss.logits_to_probs(logits, SP(top_p=0.5))[0] > 0).nonzero()[:, 0].tolist() == [0, 2]
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_max():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    out = ss.min_p_renorm(probs, 0.2)  # threshold 0.1
+    assert (out[0] > 0).nonzero()[:, 0].tolist() == [0, 1, 2]
+    torch.testing.assert_close(out.sum(-1), torch.ones(1))
+    assert (ss.min_p_renorm(probs, 1.0)[0] > 0).nonzero()[:, 0].tolist() == [0]
+
+
+def test_temperature_scales_logits_before_softmax():
+    logits = torch.tensor([[1.0, 2.0, 4.0]])
+    torch.testing.assert_close(ss.logits_to_probs(logits, SP(temperature=0.5)), torch.softmax(logits / 0.5, -1))
+
+
+def test_greedy_rows_are_one_hot_at_the_lowest_argmax():
+    logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [2.0, 1.0, 2.0, 2.0]])
+    out = ss.logits_to_probs(logits, SP(temperature=0.0, top_k=3, top_p=0.1, min_p=0.5))
+    assert out.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    res = ss.sample_from_logits(logits, SP(temperature=0.0), rng=ss.Philox(3))
+    assert res.tokens.tolist() == [1, 0] and res.logprobs.tolist() == [0.0, 0.0]
+
+
+def test_vocab_mask_applies_before_everything_else():
+    logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0]])
+    mask = torch.tensor([[False, True, True, True, False]])
+    assert ss.logits_to_probs(logits, SP(temperature=0.0), mask).argmax().item() == 3
+    out = ss.logits_to_probs(logits, SP(top_k=2), mask)
+    assert (out[0] > 0).nonzero()[:, 0].tolist() == [2, 3]
+    out = ss.logits_to_probs(logits, None, mask)
+    assert out[0, 0] == 0 and out[0, 4] == 0
+    torch.testing.assert_close(out[0, 1:4], torch.softmax(logits[0, 1:4], -1))
+
+
+@pytest.mark.parametrize("params", [SP(top_p=0.9), SP(top_k=5), SP(top_k=5, top_p=0.9), SP(min_p=0.2), SP()])
+def test_a_row_with_every_token_masked_has_no_mass_whatever_the_filters(params):
+    V = 200  # wide enough for the nucleus search (more than 64 tokens)
+    logits = torch.randn(2, V)
+    mask = torch.ones(2, V, dtype=torch.bool)
+    mask[1] = False
+    probs = ss.logits_to_probs(logits, params, mask)
+    assert probs[1].sum() == 0 and probs[0].sum().item() == pytest.approx(1.0)
+    out = ss.sample_from_logits(logits, params, ss.Philox(1), mask)
+    assert out.tokens[1].item() == 0 and out.logprobs[1].item() == float("-inf") and out.logprobs[0] > -float("inf")
+
+
+def test_vocab_mask_broadcasts_over_positions():
+    logits = torch.randn(2, 3, 6)
+    mask = torch.tensor([True, False, True, True, False, True])
+    out = ss.logits_to_probs(logits, vocab_mask=mask)
+    assert (out[..., ~mask] == 0).all()
+
+
+def test_per_request_parameters_equal_separate_calls():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 50)
+    params = SP(
+        temperature=torch.tensor([0.0, 0.7, 1.3, 1.0]),
+        top_k=torch.tensor([0, 5, 0, 20]),
+        top_p=torch.tensor([1.0, 0.8, 0.6, 1.0]),
+        min_p=torch.tensor([0.0, 0.0, 0.1, 0.05]),
+    )
+    together = ss.logits_to_probs(logits, params)
+    for b in range(4):
+        alone = ss.logits_to_probs(
+            logits[b : b + 1],
+            SP(params.temperature[b].item(), int(params.top_k[b]), params.top_p[b].item(), params.min_p[b].item()),
+        )
+        torch.testing.assert_close(together[b : b + 1], alone)
+
+
+@pytest.mark.parametrize("V", [50, 4096])
+@pytest.mark.parametrize("params", [SP(temperature=0.0), SP(0.8, top_k=7), SP(0.8, top_p=0.9), SP(1.0, top_p=0.5),
+                                    SP(1.3, min_p=0.1), SP(0.7, top_k=20, top_p=0.8, min_p=0.05), SP(1.0)])
+def test_scalar_parameters_draw_what_the_same_parameters_as_tensors_draw(params, V):
+    """Scalars let processing pick its path on the host; tensors make it read them: same draws."""
+    B = 6
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(V)) * 3
+    as_tensors = SP(*(torch.full((B,), getattr(params, f)) for f in ("temperature", "top_k", "top_p", "min_p")))
+    rng = lambda: ss.Philox(torch.arange(B))  # noqa: E731
+    for a, b in zip(ss.sample_from_logits(logits, params, rng(), num_logprobs=3),
+                    ss.sample_from_logits(logits, as_tensors, rng(), num_logprobs=3)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(ss.logits_to_probs(logits, params), ss.logits_to_probs(logits, as_tensors),
+                               rtol=0, atol=0)
+
+
+def test_low_precision_logits_are_processed_in_float32():
+    logits = torch.randn(3, 40)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = ss.logits_to_probs(logits.to(dtype), SP(top_p=0.9))
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ss.logits_to_probs(logits.to(dtype).float(), SP(top_p=0.9)))
+
+
+def test_inputs_are_not_modified():
+    logits = torch.randn(3, 2, 30)
+    before = logits.clone()
+    mask = torch.rand(3, 2, 30) > 0.3
+    ss.logits_to_probs(logits, SP(temperature=0.5, top_k=4, top_p=0.9, min_p=0.1), mask)
+    ss.sample_from_logits(logits, SP(top_p=0.7), rng=ss.Philox(1), vocab_mask=mask, num_logprobs=3)
+    probs = torch.softmax(logits, -1)
+    pb = probs.clone()
+    ss.top_k_renorm(probs, 3), ss.top_p_renorm(probs, 0.5), ss.min_p_renorm(probs, 0.2), ss.sample(probs)
+    assert torch.equal(logits, before) and torch.equal(probs, pb)
+
+
+def test_nucleus_larger_than_the_first_candidate_block_is_exact():
+    # a flat distribution: the nucleus needs hundreds of tokens (beyond the first 64 candidates)
+    torch.manual_seed(1)
+    logits = torch.randn(3, 3000) * 0.1
+    out = ss.logits_to_probs(logits, SP(top_p=0.5))
+    for b in range(3):
+        ref, _ = naive_probs(logits[b].double().tolist(), top_p=0.5)
+        assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all()
+    assert (out > 0).sum(-1).min() > 500
+
+
+# ----------------------------------------------------------------------------- properties
+
+rows = st.integers(2, 12).flatmap(
+    lambda V: st.lists(st.lists(st.integers(-3, 3), min_size=V, max_size=V), min_size=1, max_size=4)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=rows,
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    top_k=st.integers(-1, 13),
+    top_p=st.sampled_from([0.05, 0.3, 0.5, 0.77, 0.9, 1.0]),
+    min_p=st.sampled_from([0.0, 0.1, 0.5]),
+    masked=st.booleans(),
+)
+def test_logits_to_probs_matches_the_rule_exactly(rows, temperature, top_k, top_p, min_p, masked):
+    logits = torch.tensor(rows, dtype=torch.float32) * 0.7
+    mask = None
+    if masked:
+        mask = torch.ones_like(logits, dtype=torch.bool)
+        mask[:, ::3] = False
+        mask[:, -1] = True
+    out = ss.logits_to_probs(logits, SP(temperature, top_k, top_p, min_p), mask)
+    for b, row in enumerate(logits.double().tolist()):
+        ref, margin = naive_probs(row, temperature, top_k, top_p, min_p, None if mask is None else mask[b].tolist())
+        assume(margin > 1e-5)
+        assert out[b].sum().item() == pytest.approx(1.0, abs=1e-5)
+        assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all(), (out[b], ref)
+        torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=rows, top_k=st.integers(-1, 13), top_p=st.sampled_from([0.1, 0.5, 0.8, 1.0]),
+       min_p=st.sampled_from([0.0, 0.3]))
+def test_renorm_filters_match_the_rule_exactly(rows, top_k, top_p, min_p):
+    probs = torch.tensor(rows, dtype=torch.float32).add(4.0)  # unnormalised, positive, with ties
+    for fn, kw in ((ss.top_k_renorm, dict(top_k=top_k)), (ss.top_p_renorm, dict(top_p=top_p)),
+                   (ss.min_p_renorm, dict(min_p=min_p))):
+        out = fn(probs, next(iter(kw.values())))
+        for b, row in enumerate(probs.double().tolist()):
+            ref, margin = naive_probs(row, is_probs=True, **kw)
+            assume(margin > 1e-5)
+            assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all()
+            torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    V=st.integers(65, 400),
+    spread=st.sampled_from([0, 1, 2, 5]),
+    top_p=st.sampled_from([0.1, 0.5, 0.77, 0.95, 0.999]),
+    min_p=st.sampled_from([0.0, 0.02]),
+    seed=st.integers(0, 2**16),
+)
+def test_large_nuclei_match_the_rule_exactly(V, spread, top_p, min_p, seed):
+    # flat rows with many exact ties: the nucleus exceeds the first candidates and is cut by radix select
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-spread, spread + 1, (3, V), generator=g).float() * 0.05
+    out = ss.logits_to_probs(logits, SP(temperature=1.0, top_p=top_p, min_p=min_p))
+    for b, row in enumerate(logits.double().tolist()):
+        ref, margin = naive_probs(row, 1.0, 0, top_p, min_p)
+        assume(margin > 1e-5)
+        assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all()
+        torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    V=st.sampled_from([2048, 4104, 20480]),
+    kind=st.sampled_from(["ties", "normal", "peaked", "masked"]),
+    top_p=st.sampled_from([0.3, 0.9, 0.999]),
+    min_p=st.sampled_from([0.0, 0.001]),
+    probs_in=st.booleans(),
+    counted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_nuclei_of_wide_vocabularies_match_the_rule_exactly(V, kind, top_p, min_p, probs_in, counted, seed):
+    # wide rows take the nucleus search (counted whole, or as in rows longer than _COUNT_WHOLE
+    # estimated; compaction, radix cut, dense fallback): the first rows vary the distribution's
+    # shape, then one token alone reaches top-p, a small nucleus, a flat row (the nucleus
+    # exceeds any compaction: cut densely) and a row without a finite logit
+    import specsampler.sampling.processing as processing
+
+    with mock.patch.object(processing, "_COUNT_WHOLE", V if counted else 0):
+        _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed)
+
+
+def _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = {"ties": torch.randint(-3, 4, (3, V), generator=g).float() * 0.5,
+              "normal": torch.randn(3, V, generator=g) * 2,
+              "peaked": torch.randn(3, V, generator=g) * 6,
+              "masked": torch.randn(3, V, generator=g).masked_fill(torch.rand(3, V, generator=g) < 0.7, -math.inf),
+              }[kind]
+    one, small = torch.zeros(V), torch.randn(V, generator=g)
+    one[V // 3] = 30.0
+    small[torch.randperm(V, generator=g)[:20]] += 12.0
+    rows = torch.cat([logits, one[None], small[None], torch.zeros(1, V), torch.full((1, V), -math.inf)])
+    if probs_in:
+        rows = torch.softmax(rows, -1).nan_to_num(0.0)
+        out = ss.min_p_renorm(ss.top_p_renorm(rows, top_p), min_p) if min_p else ss.top_p_renorm(rows, top_p)
+    else:
+        out = ss.logits_to_probs(rows, SP(temperature=0.7, top_p=top_p, min_p=min_p))
+    for b, row in enumerate(rows.double().tolist()):
+        if b == rows.shape[0] - 1:  # no mass: nothing kept
+            assert not out[b].isnan().any() and not out[b].any()
+            continue
+        if probs_in:
+            ref, margin = naive_probs(row, 1.0, 0, top_p, 0.0, is_probs=True)
+            if min_p:  # applied after renormalisation, as a separate call
+                ref, _ = naive_probs(ref, 1.0, 0, 1.0, min_p, is_probs=True)
+        else:
+            ref, margin = naive_probs(row, 0.7, 0, top_p, min_p)
+        if margin < 1e-5:  # within float rounding of the boundary
+            continue
+        assert ((out[b] > 0) == torch.tensor(ref).gt(0)).all(), (b, int((out[b] > 0).sum()), sum(r > 0 for r in ref))
+        torch.testing.assert_close(out[b].double(), torch.tensor(ref, dtype=torch.float64), atol=1e-6, rtol=1e-4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    L=st.sampled_from([4, 8, 32]),
+    chunks=st.integers(14, 40),
+    spread=st.sampled_from([1, 3, 1000]),
+    finite=st.integers(0, 25),
+    seed=st.integers(0, 2**16),
+)
+def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chunks, spread, finite, seed):
+    from specsampler.sampling.processing import _ordered_prefix_by_chunks
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-spread, spread + 1, (5, chunks * L), generator=g).float()
+    scores[0, : L * 3] = -float("inf")  # masked tokens
+    scores[1] = 0.0  # one big tie: every chunk reaches the bound
+    allowed = torch.randperm(chunks * L, generator=g)[:finite]
+    scores[2] = scores[2].where(torch.zeros(chunks * L, dtype=torch.bool).index_fill_(0, allowed, True), -float("inf"))
+    vals, ids = _ordered_prefix_by_chunks(scores, n, L)
+    for b in range(5):
+        expected = sorted(range(scores.shape[1]), key=lambda i: (-float(scores[b, i]), i))[:n]
+        assert ids[b].tolist() == expected
+        assert vals[b].tolist() == scores[b, expected].tolist()
+
+
+@pytest.mark.parametrize("V", [7, 5000, 128256])
+def test_an_empty_ordered_prefix(V):
+    from specsampler.sampling.processing import ordered_prefix
+
+    vals, ids = ordered_prefix(torch.randn(3, V), 0)
+    assert vals.shape == ids.shape == (3, 0) and ids.dtype == torch.int64
+
+
+def test_top_candidates_from_chunk_maxima_put_nan_first():  # as torch.topk does
+    from specsampler.sampling.processing import _ordered_prefix_by_chunks
+
+    scores = torch.arange(160, dtype=torch.float32).repeat(3, 1)
+    scores[1, 7] = float("nan")
+    scores[2, [3, 90]] = float("nan")
+    vals, ids = _ordered_prefix_by_chunks(scores, 4, 8)
+    assert ids.tolist() == [[159, 158, 157, 156], [7, 159, 158, 157], [3, 90, 159, 158]]
+    assert vals[1, 0].isnan() and vals[1, 1:].tolist() == [159.0, 158.0, 157.0]
+
+
+@pytest.mark.parametrize("shape, density", [((64, 20000), 0.02), ((16, 65536), 0.3), ((3, 16), 0.5), ((7, 8), 1.0),
+                                            ((4, 24), 0.0), ((0, 8), 0.1), ((2, 13), 0.4), ((3, 0), 0.5)])
+@pytest.mark.parametrize("compare", ["ge", "eq"])
+def test_positions_equal_nonzero_of_the_comparison(shape, density, compare):  # on CPU through NumPy
+    from specsampler.sampling.processing import _positions
+
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randint(0, 1000, shape, generator=g, dtype=torch.int32)
+    bound = torch.randint(0, 1000, (shape[0], 1), generator=g, dtype=torch.int32)
+    if compare == "eq":
+        x = torch.where(torch.rand(shape, generator=g) < density, bound, x + 1000)
+    else:
+        bound = torch.full_like(bound, int(1000 * (1 - density)))
+    want = getattr(torch, compare)(x, bound).nonzero(as_tuple=True)
+    want = (want[0] * shape[1] + want[1], *want)
+    for got, floats in ((_positions(compare, x, bound), False), (_positions(compare, x.float(), bound.float()), True)):
+        for got_t, want_t in zip(got, want, strict=True):
+            assert got_t.dtype == torch.int64 and torch.equal(got_t, want_t), (compare, floats)
+
+
+def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
+    from specsampler.sampling.processing import cut_to_mass
+
+    # equal weights within one bin: the cut must keep the lowest positions
+    w = torch.tensor([[1.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.25]])
+    kept = cut_to_mass(w, torch.tensor([1.925]))  # 1, 0.5, then 0.25 x2
+    assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 1, 2, 5]
+    assert w.gt(0).all()  # a new result: w only read
+    inplace = w.clone()
+    assert cut_to_mass(inplace, torch.tensor([1.925]), out=inplace) is inplace and torch.equal(inplace, kept)
+    kept = cut_to_mass(w, torch.tensor([2.75]))
+    assert torch.equal(kept, w)
+    kept = cut_to_mass(w, torch.tensor([3.0]))  # never reached: everything kept
+    assert torch.equal(kept, w)
+    # weights of one bin that differ in their low bits are ordered by weight first
+    w = torch.tensor([[0.30000001, 0.3, 0.30000004, 0.1]])
+    kept = cut_to_mass(w, torch.tensor([0.4]))  # 0.30000004 then 0.30000001
+    assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
+
+
+def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor) -> None:
+    """``kept`` keeps, unchanged, a prefix of each row's (weight desc, position asc) order; its
+    length is the naive float64 one wherever the target is not within rounding of a prefix sum."""
+    assert torch.equal(torch.where(kept > 0, w, 0.0), kept)
+    for row, t, k in zip(w.double(), target.double(), kept):
+        order = sorted(range(len(row)), key=lambda i: (-row[i].item(), i))
+        flags = [bool(k[i] > 0) for i in order]
+        m = sum(flags)
+        assert flags == [True] * m + [False] * (len(flags) - m), "not a prefix of the order"
+        cum = row[order].cumsum(0)
+        naive = int((cum < t).sum()) + 1 if bool((cum >= t).any()) else len(row)
+        naive = min(naive, int((row > 0).sum()) or naive)  # zero weights never needed
+        tol = 1e-5 * float(cum[-1]) + 1e-30
+        if bool(((cum - t).abs() > tol).all()):  # no prefix sum within rounding of the target
+            assert m == naive or (m > naive and bool((row[order][naive:m] == 0).all()))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rows=st.lists(
+        st.lists(st.one_of(st.just(0.0), st.integers(-60, 0).map(lambda e: 2.0 ** e),
+                           st.floats(1e-3, 1.0), st.sampled_from([0.25, 0.5, 0.3])), min_size=1, max_size=200),
+        min_size=1, max_size=4),
+    fractions=st.lists(st.floats(0.01, 1.2), min_size=4, max_size=4),
+)
+def test_radix_cut_keeps_the_smallest_prefix_reaching_the_target(rows, fractions):
+    from specsampler.sampling.processing import cut_to_mass
+
+    C = max(len(r) for r in rows)
+    w = torch.tensor([r + [0.0] * (C - len(r)) for r in rows], dtype=torch.float32)
+    target = w.sum(-1) * torch.tensor(fractions[: len(rows)], dtype=torch.float32)
+    _assert_cut(w, target, cut_to_mass(w, target))
+
+
+@pytest.mark.parametrize("case", ["one bin", "far below the largest"])
+def test_radix_cut_splits_a_crowded_crossing_bin(case):
+    # thousands of tokens pending after the first digit: split by the later digits, also when
+    # they lie in the lowest bin (more than 32 octaves below the largest weight, sharing no bits)
+    from specsampler.sampling.processing import cut_to_mass
+
+    g = torch.Generator().manual_seed(0)
+    if case == "one bin":  # 5000 weights in [1, 1.01): one bin of the first digit
+        w = 1 + torch.rand(3, 5000, generator=g) / 100
+        target = w.sum(-1) * torch.tensor([0.3, 0.5, 0.999])
+    else:  # 1.0, then tokens 33 to 35 octaves below whose mass the target needs
+        w = torch.exp2(-33 - 2 * torch.rand(3, 5000, generator=g))
+        w[:, 17] = 1.0
+        target = torch.full((3,), 1.0 + 2.0 ** -23)
+    kept = cut_to_mass(w, target)
+    _assert_cut(w, target, kept)
+    assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _repeat_draws(fn, n: int, seed: int = 0):
+    """Run ``fn(batch_of_n, Philox)`` once on n copies of one row, each with its own seed."""
+    return fn(n, ss.Philox(torch.arange(n) + seed * n))
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize("rng_kind", ["philox", "generator"])
+def test_sample_follows_the_distribution(rng_kind):
+    n = mc_trials(400_000, 100_000)
+    probs = torch.tensor([0.3, 0.0, 0.05, 0.25, 1e-3, 0.0, 0.199, 0.2])
+    rng = ss.Philox(torch.arange(n)) if rng_kind == "philox" else torch.Generator().manual_seed(5)
+    tokens = ss.sample(probs.expand(n, 8), rng)
+    assert_counts_match(torch.bincount(tokens, minlength=8).numpy(), probs.numpy(), label="sample")
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize(
+    "params",
+    [SP(), SP(temperature=0.6), SP(top_k=3), SP(top_p=0.7), SP(temperature=1.5, top_k=5, top_p=0.9, min_p=0.05),
+     SP(min_p=0.2)],
+    ids=["plain", "temperature", "top_k", "top_p", "all", "min_p"],
+)
+def test_sample_from_logits_follows_logits_to_probs(params):
+    n = mc_trials(400_000, 100_000)
+    logits = torch.tensor([1.0, -0.5, 2.0, 0.3, 0.3, -2.0, 1.7, 0.0, -float("inf"), 0.9])
+    mask = torch.ones(10, dtype=torch.bool)
+    mask[7] = False
+    expected = ss.logits_to_probs(logits[None], params, mask[None])[0]
+    out = ss.sample_from_logits(logits.expand(n, 10), params, ss.Philox(torch.arange(n)), vocab_mask=mask)
+    assert_counts_match(torch.bincount(out.tokens, minlength=10).numpy(), expected.numpy(), label=str(params))
+    torch.testing.assert_close(out.logprobs, expected[out.tokens].log())
+
+
+def test_sample_from_logits_draws_what_sample_draws_on_the_same_stream():
+    torch.manual_seed(2)
+    logits = torch.randn(64, 3, 200) * 2
+    params = SP(
+        temperature=torch.rand(64) + 0.3,
+        top_k=torch.randint(0, 30, (64,)),
+        top_p=torch.rand(64) * 0.5 + 0.5,
+        min_p=torch.rand(64) * 0.1,
+    )
+    rng = ss.Philox(torch.arange(64), 7)
+    fused = ss.sample_from_logits(logits, params, rng).tokens
+    two_step = ss.sample(ss.logits_to_probs(logits, params), rng)
+    assert (fused == two_step).float().mean() > 0.99  # equal but for float rounding at a CDF boundary
+
+
+def test_probability_zero_tokens_are_never_sampled():
+    n = 20_000
+    logits = torch.tensor([0.0, 10.0, -float("inf"), 10.0, -30.0])
+    out = ss.sample_from_logits(logits.expand(n, 5), SP(top_k=2), ss.Philox(torch.arange(n))).tokens
+    assert set(out.tolist()) <= {1, 3}
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    assert set(ss.sample(probs.expand(n, 5), ss.Philox(torch.arange(n))).tolist()) <= {1, 3}
+
+
+def test_outputs_stay_in_range_on_degenerate_rows():
+    V = 7
+    rows = torch.tensor(
+        [[float("nan")] * V, [-float("inf")] * V, [float("inf")] + [0.0] * (V - 1), [1e30, -1e30] + [0.0] * (V - 2)]
+    )
+    for params in (SP(), SP(temperature=0.0), SP(top_k=3), SP(top_p=0.5), SP(min_p=0.5)):
+        out = ss.sample_from_logits(rows, params, ss.Philox(1), num_logprobs=2)
+        assert ((out.tokens >= 0) & (out.tokens < V)).all()
+        assert ((out.top_token_ids >= -1) & (out.top_token_ids < V)).all()
+    tokens = ss.sample(torch.tensor([[0.0] * V, [float("nan")] * V, [-1.0] * V]), ss.Philox(0))
+    assert ((tokens >= 0) & (tokens < V)).all()
+
+
+def test_top_logprobs_are_sorted_and_padded_past_the_support():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    out = ss.sample_from_logits(logits, SP(top_k=3), ss.Philox(0), num_logprobs=4)
+    assert out.top_token_ids.tolist() == [[1, 3, 2, -1]]
+    expected = torch.log_softmax(torch.tensor([3.0, 2.0, 1.0]), -1)
+    torch.testing.assert_close(out.top_logprobs[0, :3], expected)
+    assert out.top_logprobs[0, 3] == -math.inf
+    dense = ss.sample_from_logits(logits, SP(temperature=2.0), ss.Philox(0), num_logprobs=7)
+    assert dense.top_token_ids.tolist() == [[1, 3, 2, 0, 4, -1, -1]]
+    torch.testing.assert_close(dense.top_logprobs[0, :5], torch.log_softmax(logits[0] / 2, -1)[[1, 3, 2, 0, 4]])
+
+
+def test_leading_dimensions_keep_their_shape():
+    logits = torch.randn(2, 3, 4, 11)
+    out = ss.sample_from_logits(logits, SP(top_k=torch.tensor([2, 5])), ss.Philox(0), num_logprobs=2)
+    assert out.tokens.shape == (2, 3, 4) and out.top_token_ids.shape == (2, 3, 4, 2)
+    assert ss.sample(torch.rand(2, 3, 11)).shape == (2, 3)
+    assert ss.logits_to_probs(logits).shape == logits.shape
+
+
+def test_empty_batch():
+    out = ss.sample_from_logits(torch.zeros(0, 5), SP(top_k=2), ss.Philox(0))
+    assert out.tokens.shape == (0,)
+    assert ss.logits_to_probs(torch.zeros(0, 5), SP(top_p=0.5)).shape == (0, 5)
+
+
+def test_generator_and_global_rng_are_reproducible():
+    logits = torch.randn(8, 100)
+    a = ss.sample_from_logits(logits, rng=torch.Generator().manual_seed(3)).tokens
+    b = ss.sample_from_logits(logits, rng=torch.Generator().manual_seed(3)).tokens
+    torch.manual_seed(9)
+    c = ss.sample_from_logits(logits).tokens
+    torch.manual_seed(9)
+    d = ss.sample_from_logits(logits).tokens
+    assert torch.equal(a, b) and torch.equal(c, d)
+
+
+# ----------------------------------------------------------------------------- no full sort
+
+
+@pytest.fixture
+def sort_sizes(monkeypatch):
+    """Record the length of every sorted dimension (torch.sort / argsort / topk with k == V)."""
+    seen = []
+    real_sort, real_topk = torch.sort, torch.topk
+
+    def sort(t, *a, **k):
+        seen.append(t.shape[-1])
+        return real_sort(t, *a, **k)
+
+    def topk(t, k, *a, **kw):
+        if k >= t.shape[-1]:
+            seen.append(t.shape[-1])
+        return real_topk(t, k, *a, **kw)
+
+    monkeypatch.setattr(torch, "sort", sort)
+    monkeypatch.setattr(torch, "topk", topk)
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: sort(self, *a, **k))
+    monkeypatch.setattr(torch, "argsort", lambda t, *a, **k: sort(t, *a, **k)[1])
+    return seen
+
+
+def test_top_k_top_p_sampling_sorts_no_full_vocabulary(sort_sizes):
+    V = 8192
+    logits = torch.randn(8, V) * 3
+    ss.sample_from_logits(logits, SP(temperature=0.8, top_k=50, top_p=0.9), ss.Philox(0), num_logprobs=5)
+    assert sort_sizes and max(sort_sizes) < V
+
+
+def test_small_nucleus_sampling_sorts_no_full_vocabulary(sort_sizes):
+    V = 8192
+    logits = torch.randn(8, V) * 6  # peaked: the 0.9 nucleus holds a few dozen tokens
+    out = ss.sample_from_logits(logits, SP(temperature=0.8, top_p=0.9), ss.Philox(0))
+    assert max(sort_sizes) < V
+    nucleus = (ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9)) > 0).sum(-1)
+    assert nucleus.max() < 512
+    assert out.tokens.shape == (8,)
+
+
+@pytest.mark.parametrize("V, scale", [(32768, 3.0), (65536, 3.5), (131072, 3.0)])
+def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
+    # the estimated bound (rows longer than _COUNT_WHOLE; here all) keeps the candidates few (a
+    # few times the nucleus) yet enough: no row falls back to cutting its whole vocabulary
+    import specsampler.sampling.processing as processing
+
+    monkeypatch.setattr(processing, "_COUNT_WHOLE", 0)
+    widths, real_cut = [], processing.cut_to_mass
+    monkeypatch.setattr(processing, "cut_to_mass",
+                        lambda w, t, out=None: widths.append(w.shape[1]) or real_cut(w, t, out))
+    logits = torch.randn(16, V, generator=torch.Generator().manual_seed(V)) * scale
+    probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))
+    nucleus = int((probs > 0).sum(-1).max())
+    assert nucleus > 200 and widths and max(widths) <= min(4 * nucleus + 256, V // 8)
+
+
+@pytest.mark.parametrize("V", [4096, 32000, 65536])
+def test_counted_nuclei_are_compacted_when_small_and_cut_densely_when_large(monkeypatch, V):
+    # rows up to _COUNT_WHOLE long are counted whole: a nucleus of up to V/16 tokens is settled
+    # among the tokens down to its crossing bin (barely more than the nucleus), a larger one densely
+    import specsampler.sampling.processing as processing
+
+    assert V <= processing._COUNT_WHOLE
+    widths, real_settle = [], processing._settle
+    monkeypatch.setattr(processing, "_settle", lambda w, *a: widths.append(w.shape[1]) or real_settle(w, *a))
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(4, V, generator=g) * 0.5
+    logits[:2, torch.randperm(V, generator=g)[: V // 40]] += 8.0  # the first rows: a nucleus of ~V/44 tokens
+    nucleus = (ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9)) > 0).sum(-1)
+    assert nucleus[:2].min() > 10 and nucleus[:2].max() <= V // 16 < nucleus[2:].min()
+    assert widths == [widths[0], V] and widths[0] <= 1.05 * int(nucleus[:2].max()) + 16
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "call, fragments",
+    [
+        (lambda: ss.sample_from_logits(torch.zeros(3, 5, dtype=torch.long)), ["logits", "floating-point", "int64"]),
+        (lambda: ss.sample_from_logits(torch.zeros(5)), ["logits", "2 to 8 dimensions", "[5]"]),
+        (lambda: ss.logits_to_probs(torch.zeros(3, 5), SP(top_k=torch.tensor([1, 2]))),
+         ["SamplingParams.top_k", "[B] = [3]", "[2]"]),
+        (lambda: ss.logits_to_probs(torch.zeros(3, 5), SP(top_p=torch.tensor([0.5, 1.5, 0.2]))),
+         ["SamplingParams.top_p", "(0, 1]", "1.5", "request 1"]),
+        (lambda: ss.logits_to_probs(torch.zeros(3, 5), SP(temperature=torch.tensor([1.0, 1.0, -2.0]))),
+         ["temperature", ">= 0", "-2", "request 2"]),
+        (lambda: SP(top_p=0.0), ["SamplingParams.top_p", "(0, 1]", "0.0"]),
+        (lambda: SP(min_p=1.5), ["min_p", "[0, 1]", "1.5"]),
+        (lambda: SP(top_k=2.5), ["top_k", "an integer", "2.5"]),
+        (lambda: SP(temperature=float("nan")), ["temperature", "nan"]),
+        (lambda: ss.logits_to_probs(torch.zeros(3, 5), vocab_mask=torch.ones(2, 5, dtype=torch.bool)),
+         ["vocab_mask", "broadcastable", "[3, 5]", "[2, 5]"]),
+        (lambda: ss.logits_to_probs(torch.zeros(3, 5), vocab_mask=torch.ones(3, 5)), ["vocab_mask", "bool"]),
+        (lambda: ss.sample(torch.rand(3, 5), rng=42), ["rng", "Philox", "int"]),
+        (lambda: ss.sample(torch.rand(3, 5), rng=ss.Philox(torch.tensor([1, 2]))), ["Philox.seed", "[3]", "[2]"]),
+        (lambda: ss.sample(torch.rand(3, 5), validate="fast"), ["validate", "'fast'"]),
+        (lambda: ss.sample_from_logits(torch.zeros(3, 5), num_logprobs=-1), ["num_logprobs", ">= 0", "-1"]),
+        (lambda: ss.logits_to_probs(torch.zeros(3, 0)), ["logits", "V >= 1"]),
+    ],
+)
+def test_bad_input_names_argument_expected_and_actual(call, fragments):
+    with pytest.raises(ValueError) as err:
+        call()
+    for fragment in fragments:
+        assert fragment in str(err.value), (fragment, str(err.value))
+
+
+def test_full_validation_checks_values_and_names_the_request():
+    logits = torch.zeros(3, 4)
+    logits[2, 1] = float("nan")
+    ss.logits_to_probs(logits)  # default: no value pass
+    with pytest.raises(ValueError, match=r"logits: expected logits without NaN or \+inf, got nan .*request 2"):
+        ss.logits_to_probs(logits, validate="full")
+    probs = torch.tensor([[0.5, 0.5], [0.2, -0.1]])
+    with pytest.raises(ValueError, match=r"probs: expected probabilities >= 0, got -0.1.*request 1"):
+        ss.sample(probs, validate="full")
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1] = False
+    with pytest.raises(ValueError, match=r"vocab_mask: expected at least one allowed token per row.*request 1"):
+        ss.logits_to_probs(torch.zeros(2, 3), vocab_mask=mask, validate="full")
+
+
+def test_value_checks_of_cpu_parameters_run_by_default():
+    with pytest.raises(ValueError, match="request 0"):
+        ss.sample_from_logits(torch.zeros(2, 4), SP(min_p=torch.tensor([2.0, 0.0])))
+
+
+def test_sampling_matches_numpy_reference_of_inversion():
+    # inversion: first id whose cumulative probability exceeds u * total
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]])
+    rng = ss.Philox(torch.tensor([5]), 2)
+    from specsampler.rng import STREAM_SAMPLE, uniform
+
+    u = uniform(rng, "t", 1, 1, STREAM_SAMPLE, torch.device("cpu"))[0, 0].item()
+    expected = int(np.searchsorted(np.cumsum([0.1, 0.0, 0.6, 0.3]), u * 1.0, side="right"))
+    assert ss.sample(probs, rng).item() == expected
+
+
+def test_inputs_that_require_grad_are_taken():  # sampling and verification are not differentiable
+    g = torch.Generator().manual_seed(0)
+    B, K, N, V = 3, 2, 4, 5000  # rows long enough for the nucleus path's scratch buffers
+    logits = torch.randn(B, V, generator=g).requires_grad_()
+    probs = torch.softmax(torch.randn(B, K + 1, V, generator=g), -1).requires_grad_()
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1).requires_grad_()
+    tree_logits = torch.randn(B, N, V, generator=g).requires_grad_()
+    tree_probs = torch.softmax(tree_logits.detach(), -1).requires_grad_()
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]] * B))
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    outs = [
+        ss.sample_from_logits(logits, SP(temperature=0.8, top_p=0.9), ss.Philox(1), num_logprobs=2).tokens,
+        ss.sample_from_logits(logits, SP(temperature=0.8, top_k=5), ss.Philox(1)).tokens,
+        ss.logits_to_probs(logits, SP(top_p=0.9)), ss.logits_to_probs(logits, SP(min_p=0.1)),
+        ss.top_p_renorm(probs, 0.9), ss.top_k_renorm(probs, 3), ss.min_p_renorm(probs, 0.2), ss.sample(probs),
+        ss.verify_chain(probs, drafts, q, rng=ss.Philox(1)).tokens,
+        ss.verify_chain(probs, drafts, q, rng=ss.Philox(1)).expected_accepted,
+        ss.verify_chain_from_logits(logits[:, None].expand(B, K + 1, V), drafts, SP(top_p=0.9), draft_probs=q,
+                                    rng=ss.Philox(1)).tokens,
+        ss.verify_tree(tree_probs, tokens, tree, method="target_only", rng=ss.Philox(1)).path,
+        ss.verify_tree_from_logits(tree_logits, tokens, tree, SP(top_p=0.9), method="target_only",
+                                   rng=ss.Philox(1)).path,
+        ss.verify_tree_from_logits(tree_logits, tokens, tree, SP(top_p=0.9), draft_probs=tree_probs,
+                                   method="traversal", rng=ss.Philox(1)).path,
+    ]
+    assert not any(t.requires_grad for t in outs)
