@@ -1,0 +1,209 @@
+"""Plain references: one loop per request for each verification method, read beside its formula.
+
+The same Philox draws (counters of :mod:`specsampler.rng`) and the same float32 arithmetic as the
+vectorised walks (:mod:`.chain`, :mod:`.tree`) and the kernels (:mod:`specsampler.kernels.chain`,
+:mod:`specsampler.kernels.tree`), so all three give the same tokens; the tests hold them to it.
+Slow by design (Python per node): for reading and for tests, not for serving. Inputs from
+probabilities; formulas: ARCHITECTURE.md, "Verification".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
+from ..sampling.processing import row_sum, sample_by_inversion
+from .token_tree import TokenTree
+
+OP = "reference"
+
+
+def _draw(weights: Tensor, u: Tensor) -> int:
+    """Inversion over one row of (unnormalised) weights ``[V]`` with uniform ``u`` (0-d)."""
+    return int(sample_by_inversion(weights[None], u[None])[0])
+
+
+def _ratio(num: Tensor, den: Tensor, floor: float = 1e-30) -> Tensor:
+    """``min(1, num / den)``, 0 when ``num <= 0`` (float32 0-d tensors); chains divide by ``den``
+    itself (``floor=0``), trees by ``max(den, 1e-30)``, as their vectorised walks do."""
+    return torch.where(num > 0, torch.where(num >= den, 1.0, num / den.clamp(min=floor)), 0.0)
+
+
+def _usable(x: int, V: int) -> bool:
+    return 0 <= x < V  # a draft id out of range is never accepted
+
+
+def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: Tensor, u_draw: Tensor) -> tuple[list[int], int]:
+    """Rejection sampling, one request: p ``[K+1, V]``, q ``[K, V]``, x its K drafts. -> (tokens, accepted)."""
+    V = p.shape[1]
+    for i, xi in enumerate(x):
+        if _usable(xi, V) and u_acc[i + 1] * q[i, xi] < p[i, xi]:  # draft i is node i+1
+            continue
+        residual = (p[i] - q[i]).clamp(min=0.0)
+        return x[:i] + [_draw(residual if residual.sum() > 0 else p[i], u_draw[i])], i
+    return x + [_draw(p[len(x)], u_draw[len(x)])], len(x)
+
+
+def chain_block(p: Tensor, q: Tensor, x: list[int], eta: Tensor, u_draw: Tensor) -> tuple[list[int], int]:
+    """Block verification, one request: the weights ``a``, residuals ``w`` and ``h``; tau from the top."""
+    K, V = len(x), p.shape[1]
+    a, w, h = [torch.tensor(1.0)], [], [torch.tensor(1.0)]
+    for i, xi in enumerate(x):
+        ok = _usable(xi, V)
+        a.append(_ratio(a[i] * p[i, xi], q[i, xi], 0.0) if ok else torch.tensor(0.0))
+        w.append((a[i] * p[i] - q[i]).clamp(min=0.0))
+        s = row_sum(w[i][None])[0]
+        if i > 0:
+            h.append(torch.where(s > 0, s / (s + 1 - a[i]), 0.0))
+    h.append(a[K])
+    if K == 0:
+        h = h[:1]
+    tau = max(i for i in range(K + 1) if i == 0 or eta[i] < h[i])
+    stop = w[tau] if tau < K and w[tau].sum() > 0 else p[tau]
+    return x[:tau] + [_draw(stop, u_draw[tau])], tau
+
+
+def chain_draws(p: Tensor, x: list[int], u_draw: Tensor | None) -> tuple[list[int], int]:
+    """target_only (``u_draw`` given: sample then compare) or greedy (``None``: argmax), one request."""
+    for i in range(len(x) + 1):
+        y = int(p[i].argmax()) if u_draw is None else _draw(p[i], u_draw[i])
+        if i == len(x) or y != x[i]:
+            return x[:i] + [y], i
+    raise AssertionError("unreachable")
+
+
+def verify_chain(target_probs: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None = None, *,
+                 num_drafts: Tensor | None = None, method: str, rng: Philox) -> tuple[Tensor, Tensor]:
+    """The loop over requests of :func:`specsampler.verify_chain` (shapes as there; inputs assumed valid).
+
+    Returns ``tokens`` int64 ``[B, K+1]`` (-1 after the emitted token) and ``num_accepted`` int64 ``[B]``.
+    """
+    B, K1, _ = target_probs.shape
+    dev = target_probs.device
+    u_draw = uniform(rng, OP, B, K1, STREAM_SAMPLE, dev)
+    u_acc = uniform(rng, OP, B, K1, STREAM_ACCEPT, dev)
+    tokens = torch.full((B, K1), -1, dtype=torch.int64)
+    accepted = torch.zeros(B, dtype=torch.int64)
+    for b in range(B):
+        k = K1 - 1 if num_drafts is None else int(num_drafts[b])
+        p, x = target_probs[b].float(), draft_tokens[b, :k].tolist()
+        if method == "token":
+            out, n = chain_token(p, draft_probs[b].float(), x, u_acc[b], u_draw[b])
+        elif method == "block":
+            out, n = chain_block(p, draft_probs[b].float(), x, u_acc[b], u_draw[b])
+        else:
+            out, n = chain_draws(p, x, u_draw[b] if method == "target_only" else None)
+        tokens[b, : len(out)], accepted[b] = torch.tensor(out), n
+    return tokens, accepted
+
+
+def tree_draws(p: Tensor, x: list[int], kids: list[list[int]], u_draw: Tensor | None) -> tuple[list[int], int]:
+    """Tree target_only / greedy, one request: draw at v, move to the first child carrying the draw."""
+    path = [0]
+    while True:
+        v = path[-1]
+        y = int(p[v].argmax()) if u_draw is None else _draw(p[v], u_draw[v])
+        nxt = next((c for c in kids[v] if x[c] == y), -1)
+        if nxt < 0:
+            return path, y
+        path.append(nxt)
+
+
+def tree_rrs(p, q, x, kids, u_acc, u_draw, without_replacement: bool) -> tuple[list[int], int]:
+    """Recursive rejection sampling, one request: children in sibling order against the residual r."""
+    V, path = p.shape[1], [0]
+    while True:
+        v, r = path[-1], p[path[-1]].clone()
+        shared = q[kids[v][0]].clone() if kids[v] and without_replacement else None
+        for c in kids[v]:
+            qc = shared if shared is not None else q[c]
+            if _usable(x[c], V) and u_acc[c] * qc[x[c]] < r[x[c]]:
+                path.append(c)
+                break
+            residual = (r - qc).clamp(min=0.0)
+            mass = row_sum(residual[None])[0]
+            if mass > 0:
+                r = residual / mass
+            if shared is not None:
+                shared = qc.clone()
+                shared[min(max(x[c], 0), V - 1)] = 0.0
+                shared = shared / row_sum(shared[None])[0].clamp(min=1e-30)
+        else:
+            return path, _draw(r, u_draw[v])
+
+
+def tree_traversal(p, q, x, kids, eta, u_draw, without_replacement: bool) -> tuple[list[int], int]:
+    """Traversal verification, one request: test the first leaf in depth-first order; on rejection
+    delete it and update its parent's Mb, Ms and a; recompute a down the new leftmost path."""
+    V = p.shape[1]
+    xs = [min(max(t, 0), V - 1) for t in x]
+    stack, a, mb, ms = [0], [torch.tensor(1.0)], [p[0].clone()], [None]
+    siblings_left = [list(kids[0])]
+
+    def push(node: int) -> None:
+        j = len(stack) - 1
+        q_x = ms[j][xs[node]] if without_replacement else q[node, xs[node]]
+        a.append(_ratio(a[j] * mb[j][xs[node]], q_x) if _usable(x[node], V) else torch.tensor(0.0))
+        stack.append(node), mb.append(p[node].clone()), ms.append(None), siblings_left.append(list(kids[node]))
+
+    def descend() -> None:
+        while siblings_left[-1]:
+            kid = siblings_left[-1].pop(0)
+            if without_replacement:
+                ms[-1] = q[kid].clone()  # all children of a node share its q
+            push(kid)
+
+    descend()
+    while True:
+        j, leaf = len(stack) - 1, stack[-1]
+        if j == 0 or eta[leaf] < a[j]:
+            return list(stack), _draw(mb[j], u_draw[leaf])
+        for lst in (stack, a, mb, ms, siblings_left):
+            lst.pop()
+        j -= 1
+        qq = ms[j] if without_replacement else q[leaf]
+        w = (a[j] * mb[j] - qq).clamp(min=0.0)
+        mass = row_sum(w[None])[0]
+        if mass > 0:
+            mb[j] = w / mass
+        a[j] = torch.where(mass > 0, mass / (mass + 1 - a[j]), 0.0)
+        if without_replacement:
+            qq = qq.clone()
+            qq[xs[leaf]] = 0.0
+            ms[j] = qq / row_sum(qq[None])[0].clamp(min=1e-30)
+        if siblings_left[-1]:
+            push(siblings_left[-1].pop(0))
+            descend()
+
+
+def verify_tree(target_probs: Tensor, draft_tokens: Tensor, tree: TokenTree, draft_probs: Tensor | None = None, *,
+                method: str, draft_sampling: str = "iid", rng: Philox) -> tuple[Tensor, Tensor, Tensor]:
+    """The loop over requests of :func:`specsampler.verify_tree` (shapes as there; inputs assumed valid).
+
+    Returns ``path`` int64 ``[B, D+1]``, ``tokens`` int64 ``[B, D+1]`` (-1 padded) and ``num_accepted`` ``[B]``.
+    """
+    B, N, _ = target_probs.shape
+    D, dev = tree.max_depth, target_probs.device
+    u_draw = uniform(rng, OP, B, N, STREAM_SAMPLE, dev)
+    u_acc = uniform(rng, OP, B, N, STREAM_ACCEPT, dev)
+    path_out = torch.full((B, D + 1), -1, dtype=torch.int64)
+    tokens = torch.full((B, D + 1), -1, dtype=torch.int64)
+    wo = draft_sampling == "without_replacement"
+    for b in range(B):
+        p, x = target_probs[b].float(), draft_tokens[b].tolist()
+        kids = [[] for _ in range(N)]
+        for v in range(N):  # sibling order: the first_child / next_sibling links
+            c = int(tree.first_child[b, v])
+            while c >= 0:
+                kids[v].append(c)
+                c = int(tree.next_sibling[b, c])
+        if method == "rrs":
+            path, y = tree_rrs(p, draft_probs[b].float(), x, kids, u_acc[b], u_draw[b], wo)
+        elif method == "traversal":
+            path, y = tree_traversal(p, draft_probs[b].float(), x, kids, u_acc[b], u_draw[b], wo)
+        else:
+            path, y = tree_draws(p, x, kids, u_draw[b] if method == "target_only" else None)
+        path_out[b, : len(path)] = torch.tensor(path)
+        tokens[b, : len(path)] = torch.tensor([x[v] for v in path[1:]] + [y])
+    return path_out, tokens, (path_out >= 0).sum(1) - 1

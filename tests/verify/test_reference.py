@@ -1,0 +1,89 @@
+"""The plain per-request loops of specsampler.verify.reference give the same tokens as the vectorised walks
+and as the kernels (interpreter), on the same Philox streams: three readings of one algorithm agree."""
+
+import pytest
+import torch
+
+import specsampler as ss
+from specsampler.verify import reference
+
+CHAIN_METHODS = ["token", "block", "target_only", "greedy"]
+TREE_CASES = [(m, s) for m in ("rrs", "traversal") for s in ("iid", "without_replacement")] + [
+    ("target_only", "iid"), ("greedy", "iid")]
+
+
+def _dist(*shape, sharp=2.0, gen=None):
+    return torch.softmax(sharp * torch.randn(*shape, generator=gen), -1)
+
+
+def chain_case(seed, B=6, K=4, V=7):
+    g = torch.Generator().manual_seed(seed)
+    q = _dist(B, K, V, gen=g)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    drafts[0, 1] = V + 3  # out of range: never accepted
+    p = 0.5 * _dist(B, K + 1, V, gen=g) + 0.5 * torch.nn.functional.pad(q, (0, 0, 0, 1), value=1 / V)
+    num_drafts = torch.randint(0, K + 1, (B,), generator=g)
+    num_drafts[1] = K
+    return p, drafts, q, num_drafts
+
+
+def tree_case(seed, B=5, V=6):
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 2, 4], [-1, 0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, -1, -1, -1, -1],
+                            [-1, 0, 0, 1, 1, 3, 3, 6], [-1, 0, 1, 1, 0, 4, 2, 2]])[:B]
+    tree = ss.TokenTree.from_parents(parents)
+    N = parents.shape[1]
+    q = _dist(B, N, V, gen=g)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    drafts[3, 2] = -4  # out of range: never accepted
+    p = 0.5 * _dist(B, N, V, gen=g) + 0.5 * q[:, torch.tensor([1] * N)]
+    return p, drafts, tree, q
+
+
+def _chain_res(p, drafts, q, num_drafts, method, rng):
+    res = ss.verify_chain(p, drafts, None if method in ("target_only", "greedy") else q, num_drafts=num_drafts,
+                          method=method, rng=rng)
+    return res.tokens.long(), res.num_accepted.long()
+
+
+def _tree_res(p, drafts, tree, q, method, sampling, rng):
+    res = ss.verify_tree(p, drafts, tree, q if method in ("rrs", "traversal") else None, method=method,
+                         draft_sampling=sampling, rng=rng)
+    return res.path.long(), res.tokens.long(), res.num_accepted.long()
+
+
+@pytest.mark.parametrize("method", CHAIN_METHODS)
+def test_chain_reference_loop_equals_the_vectorised_walk(method):
+    for seed in range(12):
+        p, drafts, q, num_drafts = chain_case(seed)
+        rng = ss.Philox(torch.arange(p.shape[0]) * 7 + seed, offset=3)
+        want = reference.verify_chain(p, drafts, q, num_drafts=num_drafts, method=method, rng=rng)
+        got = _chain_res(p, drafts, q, num_drafts, method, rng)
+        for w, g_ in zip(want, got):
+            assert torch.equal(w, g_), (method, seed)
+
+
+@pytest.mark.parametrize("method, sampling", TREE_CASES)
+def test_tree_reference_loop_equals_the_vectorised_walk(method, sampling):
+    for seed in range(12):
+        p, drafts, tree, q = tree_case(seed)
+        rng = ss.Philox(torch.arange(p.shape[0]) + 100 * seed)
+        want = reference.verify_tree(p, drafts, tree, q, method=method, draft_sampling=sampling, rng=rng)
+        got = _tree_res(p, drafts, tree, q, method, sampling, rng)
+        for w, g_ in zip(want, got):
+            assert torch.equal(w, g_), (method, sampling, seed)
+
+
+def test_reference_loops_equal_the_kernels(monkeypatch):
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    p, drafts, q, num_drafts = chain_case(5)
+    rng = ss.Philox(torch.arange(p.shape[0]))
+    for method in CHAIN_METHODS:
+        want = reference.verify_chain(p, drafts, q, num_drafts=num_drafts, method=method, rng=rng)
+        assert all(torch.equal(w, g) for w, g in zip(want, _chain_res(p, drafts, q, num_drafts, method, rng))), method
+    p, drafts, tree, q = tree_case(3)
+    rng = ss.Philox(torch.arange(p.shape[0]))
+    for method, sampling in TREE_CASES:
+        want = reference.verify_tree(p, drafts, tree, q, method=method, draft_sampling=sampling, rng=rng)
+        got = _tree_res(p, drafts, tree, q, method, sampling, rng)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), (method, sampling)
