@@ -1,41 +1,12 @@
 """Randomness for every stochastic op: ``rng=None | torch.Generator | Philox``.
 
-- ``None``: the global torch generator of the device of the inputs.
-- a ``torch.Generator``: uniforms come from ``torch.rand(..., generator=g)``; results depend
-  on the whole batch (the generator is shared).
-- :class:`Philox` ``(seed, offset=0)``: counter-based streams per request. Request ``b`` draws
-  from the stream keyed by ``(seed[b], offset[b])``, so its result is a function of its own
-  inputs, seed and offset alone: not of batch size, position or neighbours.
+- ``None``: the global torch generator of the device; a ``torch.Generator``: ``torch.rand`` from it
+  (results then depend on the whole batch);
+- :class:`Philox` ``(seed, offset=0)``: counter-based streams per request (Philox4x32-10, as Triton's
+  ``tl.philox``): request b's results depend on its own inputs, seed and offset alone.
 
-Counter layout (the contract the Triton kernels follow, so they draw identical numbers).
-Philox4x32-10 as in Random123 and Triton's ``tl.philox``:
-
-- key ``(k0, k1)`` = low and high 32 bits of ``seed[b]`` (int64, two's complement);
-- counter ``(c0, c1, c2, c3)`` = ``(index, stream, low 32 bits of offset[b], high 32 bits)``;
-- uniform ``u = (first output word >> 8) * 2**-24``: float32, exactly representable, in
-  ``[0, 1)``; the other three words are unused.
-
-Streams and indices of each op (one call reads counters at one offset; the caller advances
-``offset``, by 1 per call, between steps):
-
-==============================  ==================  =========================================
-op                              stream              index
-==============================  ==================  =========================================
-sample, sample_from_logits      ``STREAM_SAMPLE``   flat position of the row inside request b
-                                                    (0 for ``[B, V]`` inputs; ``i`` for
-                                                    ``[B, K+1, V]``)
-chain: target draw / correction ``STREAM_SAMPLE``   position ``i`` it is drawn at
-chain token u_i (draft x_i)     ``STREAM_ACCEPT``   ``i + 1`` (x_i is node i+1 of the chain as a tree)
-chain block eta_i               ``STREAM_ACCEPT``   ``i``
-tree: draw / correction at v    ``STREAM_SAMPLE``   node ``v``
-tree rrs u_c, traversal a(l)    ``STREAM_ACCEPT``   node ``c`` (child tested) / ``l`` (leaf)
-==============================  ==================  =========================================
-
-A chain is the tree whose node i+1 holds draft x_i, so a chain-shaped tree draws the
-same numbers in tree verification (rrs, traversal) as in chain verification (token, block).
-
-Categorical draws use one uniform by inversion: the token is the first id ``j`` (in id
-order) whose cumulative probability exceeds ``u * total``.
+The counter layout, the streams and indices of each op, and the draw by inversion are the contract the
+kernels follow: docs/design.md, "Randomness".
 """
 
 from __future__ import annotations

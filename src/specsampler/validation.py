@@ -1,16 +1,10 @@
-"""Input validation shared by every op (DESIGN.md, "Error policy").
+"""Input validation shared by every op (docs/design.md, "Error policy").
 
-Two levels, chosen per call with ``validate=``:
-
-- ``"structure"`` (default): shapes, dtypes, devices, parameter ranges and tree structure.
-  It never synchronises with a device: value checks are made only on CPU tensors and
-  Python scalars, where they cost no sync.
-- ``"full"``: also the values of every tensor (NaN/inf, negative probabilities, token ids
-  in range), at the cost of a pass over the data and a host sync.
-
-A violation raises :class:`ValidationError` (a ``ValueError``) whose message names the op,
-the argument, what was expected, what was found and, for values, the first offending
-request (index into the batch dimension).
+``validate="structure"`` (default): shapes, dtypes, devices, parameter ranges and tree structure, with no
+device synchronisation (values only of CPU tensors and Python scalars). ``"full"``: also every value
+(NaN/inf, negative probabilities, token ids in range), at the cost of a pass and a host sync. A violation
+raises :class:`ValidationError` (a ``ValueError``) naming the op, the argument, what was expected, what
+was found and, for values, the first offending request.
 """
 
 from __future__ import annotations

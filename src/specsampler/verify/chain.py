@@ -1,32 +1,10 @@
 """Chain verification: one draft chain per request, checked against the target in one pass.
 
-Notation (DESIGN.md): p_i = target distribution at position i (after i drafts), q_i = the
-distribution draft x_i was drawn from, K_b = ``num_drafts[b]``. Positions 0..K_b-1 hold
-drafts; row K_b is the bonus position. Every method emits the accepted drafts and then
-exactly one token, so a request always advances by ``num_accepted + 1`` tokens.
-
-- ``token`` (Leviathan et al. / Chen et al.): accept x_i iff ``u_i * q_i(x_i) < p_i(x_i)``;
-  at the first rejection i emit ``y ~ norm(max(p_i - q_i, 0))`` (``p_i`` if that is all 0);
-  all accepted: ``y ~ p_{K_b}``.
-- ``block`` (Sun et al. 2024): ``a_0 = 1``, ``a_{i+1} = min(1, a_i p_i(x_i) / q_i(x_i))``,
-  ``w_i = max(a_i p_i - q_i, 0)``, ``S_i = sum(w_i)``, ``h_0 = 1``,
-  ``h_i = S_i / (S_i + 1 - a_i)`` for ``0 < i < K_b`` (0 when ``S_i = 0``), ``h_{K_b} = a_{K_b}``;
-  ``tau = max{i : eta_i < h_i}``; emit ``x_<tau`` then ``y ~ norm(w_tau)`` (``tau < K_b``)
-  or ``y ~ p_{K_b}``. The test ``eta < h`` is strict, like every acceptance test here
-  (DESIGN.md writes ``<=``: the same in distribution, and an ``h = 0`` is never taken).
-- ``target_only`` (deterministic drafts, seed 002's sample-then-compare): draw
-  ``y_i ~ p_i`` at every position, accept while ``y_i == x_i``, emit the first mismatch
-  (or ``y_{K_b}``).
-- ``greedy``: the same with ``y_i = argmax p_i`` (ties to the lowest id).
-
-A draft id outside ``[0, V)`` is never accepted. Randomness (see :mod:`specsampler.rng`)
-follows the chain seen as a tree (root = node 0, draft x_i = node i+1): ``u_i`` is
-``STREAM_ACCEPT`` index i+1, ``eta_i`` index i; the draw at position i (target-only draws,
-the correction or bonus token) is ``STREAM_SAMPLE`` index i. So a chain-shaped tree
-verified by ``rrs`` / ``traversal`` draws the same tokens as ``token`` / ``block`` here.
-
-Only the work that is needed: the residual or bonus distribution is built for the one
-position where each request stops (block needs ``S_i`` at every position, by its rule).
+Methods ``token`` (rejection sampling), ``block`` (block verification), ``target_only`` (sample then
+compare) and ``greedy``; formulas: docs/design.md, "Algorithms"; random counters: "Randomness". Every
+method emits the accepted drafts and exactly one more token. Only the needed work: the residual or bonus
+distribution is built for the one position where each request stops. Plain loop per request:
+:mod:`specsampler.verify.reference`; kernel: :mod:`specsampler.kernels.chain`.
 """
 
 from __future__ import annotations

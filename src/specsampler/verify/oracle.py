@@ -1,23 +1,11 @@
 """Exact output distributions of speculative verification, by probability propagation (float64).
 
-For a small vocabulary, every draft the drafter can produce is enumerated with its
-probability, and every way the verifier can treat it is followed with its exact
-probability. The result is the distribution of the emitted sequence (accepted drafts plus
-the one correction or bonus token) and the expected number of accepted drafts. A lossless
-method, with the emitted sequence continued by the target, reproduces the target's joint
-distribution exactly (:func:`extend` and :func:`target_joint`; compare with
-:func:`max_error`).
-
-Models are functions of the prefix (the tokens after the verified context):
-
-- ``target(prefix) -> probabilities [V]``: the target's next-token distribution;
-- for sampled drafts (``token``, ``block``): ``draft(prefix) -> probabilities [V]``, the
-  distribution the drafter samples from;
-- for deterministic drafts (``target_only``, ``greedy``): ``draft(prefix) -> token``.
-
-This module is independent of the vectorized implementations (plain loops over explicit
-cases), so the tests can check one against the other. It is public: users can check their
-own set-ups with it.
+For a small vocabulary every draft the drafter can produce is enumerated with its probability and every
+way the verifier can treat it followed exactly: the distribution of the emitted sequence and the expected
+accepted drafts. A lossless method, continued by the target, reproduces the target's joint distribution
+(:func:`extend`, :func:`target_joint`, :func:`max_error`). Models are functions of the prefix: ``target(prefix)
+-> probs [V]``; ``draft(prefix) -> probs [V]`` (sampled drafts) or ``-> token`` (deterministic). Plain loops,
+independent of the vectorised code, so the tests can check one against the other; public.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """Tree verification: a tree of drafts per request, walked from the root.
 
-Conventions (DESIGN.md, MLC's): ``target_probs[b, v]`` is the target distribution after node
-v (for v's children and, if the walk ends at v, the correction or bonus token);
-``draft_tokens[b, v]`` is node v's token (the root's is unused); ``draft_probs[b, c]`` is the
-distribution node c's token was drawn from (row 0 unused). Siblings are tried in the
-tree's sibling order.
-
-Methods (p_v = target at node v, x_c = token of child c, q_c = ``draft_probs[b, c]``):
-
-- ``greedy``: at v take ``y = argmax p_v``; move to the first child carrying y, else emit y.
-- ``target_only`` (children chosen deterministically, e.g. top-k or beam: the only lossless
-  rule for them; lossless for any drafts): the same with ``y ~ p_v``.
-- ``rrs`` (SpecInfer's recursive rejection sampling): at v, ``r = p_v``; for each child c:
-  accept iff ``u_c * q(x_c) < r(x_c)`` and descend; else ``r = norm(max(r - q, 0))``. With
-  ``draft_sampling="without_replacement"`` all siblings share the parent's q, which loses
-  ``x_c`` (and is renormalised) after each rejection. All rejected: emit ``y ~ r``.
-- ``traversal`` (Traversal Verification, leaf to root): nodes on the current leftmost path
-  keep ``Mb`` (starts p), ``Ms`` (their children's q) and ``a`` (``a(root) = 1``,
-  ``a(c) = min(1, a(u) Mb(u)(x_c) / Ms(u)(x_c))``). The first leaf l in depth-first order is
-  accepted with probability ``a(l)`` (the root always), emitting ``y ~ Mb(l)``; otherwise l
-  is deleted and its parent u updated: ``w = max(a(u) Mb(u) - Ms(u), 0)``,
-  ``Mb(u) = w / sum(w)``, ``a(u) = sum(w) / (sum(w) + 1 - a(u))`` (without replacement:
-  ``Ms(u)`` loses ``x_l``), and the leftmost path is recomputed below u.
-
-Each step of a walk is one batched operation over the requests still walking, never a
-loop over requests, and only the rows the walk visits are read (from logits: processed).
-Randomness (:mod:`specsampler.rng`): the acceptance test of node c (rrs: child c tested;
-traversal: leaf c) is ``STREAM_ACCEPT`` index c; the draw at node v (target-only draws,
-correction, bonus) is ``STREAM_SAMPLE`` index v. On a chain-shaped tree, ``rrs`` draws the
-tokens of chain ``token`` verification, ``traversal`` those of ``block``, ``target_only``
-and ``greedy`` their chain namesakes, on the same ``Philox`` stream.
+Methods ``greedy``, ``target_only``, ``rrs`` (recursive rejection sampling; drafts i.i.d. or without
+replacement) and ``traversal`` (Traversal Verification): conventions and formulas in docs/design.md,
+"Tree verification" and "Algorithms"; random counters: "Randomness". Each step of a walk is one batched
+operation over the requests still walking, and only the rows the walk visits are read (from logits:
+processed). Plain loop per request: :mod:`specsampler.verify.reference`; kernel:
+:mod:`specsampler.kernels.tree`.
 """
 
 from __future__ import annotations
