@@ -278,6 +278,14 @@ def verify_chain(
         validate: ``"structure"`` or ``"full"``.
     Returns:
         :class:`ChainResult`; tokens always in ``[0, V)`` or ``-1``, whatever the values.
+
+    Example:
+        >>> import torch, specsampler as ss
+        >>> p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])  # the target says 1, 2, 0
+        >>> q = torch.full((1, 2, 3), 1 / 3)  # the drafts were drawn uniformly
+        >>> res = ss.verify_chain(p, torch.tensor([[1, 0]]), q, method="token", rng=ss.Philox(seed=7))
+        >>> res.tokens.tolist(), res.num_accepted.tolist()  # draft 1 accepted, 0 rejected, 2 emitted
+        ([[1, 2, -1]], [1])
     """
     op = "verify_chain"
     full = check_mode(op, validate)
@@ -326,6 +334,13 @@ def verify_chain_from_logits(
         validate: ``"structure"`` or ``"full"``.
     Returns:
         :class:`ChainResult`.
+
+    Example:
+        >>> import torch, specsampler as ss
+        >>> logits = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]])
+        >>> res = ss.verify_chain_from_logits(logits, torch.tensor([[1, 0]]), ss.SamplingParams(temperature=0.0))
+        >>> res.tokens.tolist(), res.num_accepted.tolist()  # both drafts are the argmax; then the bonus token
+        ([[1, 0, 2]], [2])
     """
     op = "verify_chain_from_logits"
     full = check_mode(op, validate)

@@ -401,6 +401,14 @@ def verify_tree(
         validate: ``"structure"`` or ``"full"``.
     Returns:
         :class:`TreeResult`; paths valid and tokens in ``[0, V)`` or ``-1``, whatever the values.
+
+    Example:
+        >>> import torch, specsampler as ss
+        >>> tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]]))  # root; children 1, 2; 3 under 1
+        >>> p = torch.tensor([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]])
+        >>> res = ss.verify_tree(p, torch.tensor([[0, 1, 2, 2]]), tree, method="target_only", rng=ss.Philox(0))
+        >>> res.path.tolist(), res.tokens.tolist()  # the root's draw 2 is node 2's token; node 2 draws 1
+        ([[0, 2, -1]], [[2, 1, -1]])
     """
     op = "verify_tree"
     full = check_mode(op, validate)
@@ -451,6 +459,15 @@ def verify_tree_from_logits(
             (processes every row that has children).
     Returns:
         :class:`TreeResult`.
+
+    Example:
+        >>> import torch, specsampler as ss
+        >>> tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]]))
+        >>> logits = torch.tensor([[[0.0, 0.0, 9.0], [9.0, 0.0, 0.0], [0.0, 9.0, 0.0], [9.0, 0.0, 0.0]]])
+        >>> res = ss.verify_tree_from_logits(logits, torch.tensor([[0, 1, 2, 2]]), tree,
+        ...                                  ss.SamplingParams(temperature=0.0))
+        >>> res.path.tolist(), res.tokens.tolist(), res.num_accepted.tolist()
+        ([[0, 2, -1]], [[2, 1, -1]], [1])
     """
     op = "verify_tree_from_logits"
     full = check_mode(op, validate)
