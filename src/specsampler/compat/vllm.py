@@ -1,0 +1,683 @@
+"""vLLM v1's rejection sampler (``vllm/v1/sample/rejection_sampler.py``) on specsampler.
+
+``from specsampler.compat.vllm import RejectionSampler, rejection_sample`` in place of vLLM's
+module: the same names, argument order, defaults, output dtypes (int32 ``[B, max_spec_len + 1]``,
+``PLACEHOLDER_TOKEN_ID`` = -1 after each request's tokens) and metadata objects. vLLM is not
+imported: ``metadata`` / ``sampling_metadata`` are read by attribute, so vLLM's own
+``SpecDecodeMetadata`` and ``SamplingMetadata`` work, and so do the stand-ins defined here.
+
+Layout (vLLM's): drafts of all requests are flattened, ``draft_token_ids [T]``, with
+``num_draft_tokens`` (a list, ``B`` ints) and ``cu_num_draft_tokens [B]`` (inclusive cumulative
+sums); ``target_logits [T, V]`` is the target at each draft position; the bonus token of each
+request is sampled outside (``bonus_token_ids [B, 1]``) and emitted when all its drafts are accepted.
+
+Lossless verification maps onto :func:`specsampler.verify_chain_from_logits` (the chain per
+request, padded to ``max_spec_len``):
+
+- sampled drafts (``draft_probs`` given): ``method="token"``, or ``"block"`` with vLLM's
+  ``verify_method="block"`` when ``max_spec_len >= 3`` (vLLM's gate: below it, token);
+- ``draft_probs=None`` (n-gram, suffix drafts): vLLM takes the draft distribution as one-hot at
+  the draft (accept iff ``u < p(x)``, else a token from ``p`` with ``x`` removed). That is, in
+  law, exactly ``method="target_only"`` (draw ``y ~ p``, accept iff ``y == x``): the same
+  acceptance probability ``p(x)`` and the same correction distribution;
+- greedy requests (``temperature == 0``, or ``all_greedy``): the argmax of the target logits,
+  in the same call (temperature 0 rows of :class:`specsampler.SamplingParams`).
+
+Randomness: each request's verification draws from its own counter-based stream
+(:class:`specsampler.Philox`), whose key comes from the request's ``torch.Generator`` in
+``sampling_metadata.generators`` (drawn only when the request has drafts, as vLLM does) or
+from the global generator of the device. A seeded request's tokens are thus reproducible and
+independent of its neighbours; they are not vLLM's numbers. :func:`generate_uniform_probs` and
+:func:`sample_recovered_tokens` reproduce vLLM's draws exactly (its tests compare them with
+references); the lossy modes below use them.
+
+Lossy modes, as vLLM defines them (off by default): ``synthetic`` (accept draft i with a fixed
+conditional rate, for benchmarks) and ``fly`` (FLy's entropy-gated deferral: a rejected draft is
+accepted when the target is uncertain there and the next ``fly_window_size`` drafts would be
+accepted). Their outputs do not follow the target distribution.
+
+Differences from vLLM (all documented per function): bad input raises ``ValueError`` (vLLM
+asserts); top-k keeps exactly k tokens (vLLM keeps every token tied with the k-th logit);
+acceptance is the strict ``u * q(x) < p(x)`` (vLLM: ``q(x) > 0 and p(x) / q(x) >= u``, which accepts
+a target-probability-0 token when ``u == 0``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from specsampler import Philox, SamplingParams, logits_to_probs, verify_chain_from_logits
+from specsampler.validation import check_shape, check_tensor, fail
+
+PLACEHOLDER_TOKEN_ID = -1
+GREEDY_TEMPERATURE = 0
+# vLLM's bound on draft tokens per request and step.
+MAX_SPEC_LEN = 128
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "MAX_SPEC_LEN",
+    "PLACEHOLDER_TOKEN_ID",
+    "RejectionSampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SpecDecodeMetadata",
+    "apply_sampling_constraints",
+    "generate_uniform_probs",
+    "rejection_sample",
+    "sample_recovered_tokens",
+    "unconditional_to_conditional_rates",
+]
+
+
+# ----------------------------------------------------------------------------- metadata stand-ins
+
+
+@dataclass
+class SpecDecodeMetadata:
+    """Stand-in for vLLM's ``vllm.v1.spec_decode.metadata.SpecDecodeMetadata`` (same fields).
+
+    draft_token_ids: int32 ``[T]``; num_draft_tokens: ``B`` ints; cu_num_draft_tokens,
+    cu_num_sampled_tokens: int32 ``[B]`` (inclusive cumulative sums of drafts, and of drafts + 1);
+    target_logits_indices ``[T]``, bonus_logits_indices ``[B]``: rows of the target's logits;
+    logits_indices ``[T + B]``. ``max_spec_len`` = the longest chain.
+    """
+
+    draft_token_ids: Tensor
+    num_draft_tokens: list[int]
+    cu_num_draft_tokens: Tensor
+    cu_num_sampled_tokens: Tensor
+    target_logits_indices: Tensor
+    bonus_logits_indices: Tensor
+    logits_indices: Tensor
+
+    def __post_init__(self):
+        self.max_spec_len = max(self.num_draft_tokens, default=0)
+
+    @classmethod
+    def make_dummy(cls, draft_token_ids: list[list[int]], device: torch.device | str) -> SpecDecodeMetadata:
+        """Metadata for the given drafts of each request (logits indices all 0, as vLLM's)."""
+        n = [len(ids) for ids in draft_token_ids]
+        B, T = len(n), sum(n)
+        as_int32 = lambda values: torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
+        return cls(
+            draft_token_ids=torch.tensor(sum(draft_token_ids, []), dtype=torch.int32, device=device),
+            num_draft_tokens=n,
+            cu_num_draft_tokens=as_int32(np.cumsum(n, dtype=np.int32)),
+            cu_num_sampled_tokens=as_int32(np.cumsum([k + 1 for k in n], dtype=np.int32)),
+            target_logits_indices=torch.zeros(T, dtype=torch.int32, device=device),
+            bonus_logits_indices=torch.zeros(B, dtype=torch.int32, device=device),
+            logits_indices=torch.zeros(T + B, dtype=torch.int32, device=device),
+        )
+
+
+class LogitsProcessors:
+    """Stand-in for vLLM's ``LogitsProcessors`` container: no processors."""
+
+    all: tuple = ()
+    argmax_invariant: tuple = ()
+    non_argmax_invariant: tuple = ()
+
+
+@dataclass
+class SamplingMetadata:
+    """Stand-in for vLLM's ``vllm.v1.sample.metadata.SamplingMetadata`` (the fields the rejection
+    sampler reads; vLLM's object works as well).
+
+    temperature: float ``[B]`` (``0`` = greedy) or None when ``all_greedy``; top_p / top_k ``[B]``
+    or None; generators: request index -> ``torch.Generator``; max_num_logprobs: None = no
+    logprobs; penalties ``[B]`` with ``prompt_token_ids [B, L]`` padded with V; output_token_ids
+    and spec_token_ids: per request lists; allowed_token_ids_mask: bool ``[B, V]``, True =
+    disallowed; bad_words_token_ids: request index -> banned token sequences.
+    """
+
+    temperature: Tensor | None = None
+    all_greedy: bool = True
+    all_random: bool = False
+    top_p: Tensor | None = None
+    top_k: Tensor | None = None
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    max_num_logprobs: int | None = None
+    no_penalties: bool = True
+    prompt_token_ids: Tensor | None = None
+    frequency_penalties: Tensor | None = None
+    presence_penalties: Tensor | None = None
+    repetition_penalties: Tensor | None = None
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    allowed_token_ids_mask: Tensor | None = None
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    logitsprocs: Any = field(default_factory=LogitsProcessors)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    """Stand-in for vLLM's ``SamplerOutput``: sampled_token_ids int32 ``[B, max_spec_len + 1]``."""
+
+    sampled_token_ids: Tensor
+    logprobs_tensors: Any = None
+
+
+def unconditional_to_conditional_rates(rates: list[float]) -> list[float]:
+    """Per-position rates P(drafts 0..i accepted) -> P(draft i accepted | drafts before it were)."""
+    return [p / before if before > 0.0 else 0.0 for p, before in zip(rates, [1.0, *rates[:-1]])]
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    """``dataclasses.replace`` for dataclasses (vLLM's metadata), a shallow copy otherwise."""
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **changes)
+    out = copy.copy(obj)
+    for k, v in changes.items():
+        setattr(out, k, v)
+    return out
+
+
+# ----------------------------------------------------------------------------- the sampler module
+
+
+class RejectionSampler(nn.Module):
+    """vLLM's ``RejectionSampler``: target logits in, accepted + recovered + bonus tokens out.
+
+    Args:
+        sampler: vLLM's ``Sampler`` (or anything with its call signature and ``logprobs_mode``);
+            it samples the bonus tokens, and computes logprobs when they are asked for.
+        spec_config: vLLM's ``SpeculativeConfig`` (or any object with the attributes read here):
+            ``rejection_sample_method`` ``"standard"`` (default), ``"synthetic"``
+            (with ``synthetic_acceptance_rates``) or ``"fly"`` (with ``fly_window_size``,
+            ``fly_entropy_threshold``); ``verify_method`` ``"standard"`` or ``"block"``.
+            ``synthetic`` and ``fly`` are lossy (see the module docstring).
+        device: where the synthetic rates live.
+    """
+
+    def __init__(self, sampler: Any, spec_config: Any = None, device: torch.device | None = None):
+        super().__init__()
+        self.sampler = sampler
+        logprobs_mode = sampler.logprobs_mode
+        self.is_processed_logprobs_mode = logprobs_mode.startswith("processed")
+        self.is_logits_logprobs_mode = logprobs_mode.endswith("logits")
+        method = getattr(spec_config, "rejection_sample_method", "standard")
+        self.synthetic_conditional_rates: Tensor | None = None
+        if method == "synthetic":
+            rates = unconditional_to_conditional_rates(list(spec_config.synthetic_acceptance_rates))
+            self.synthetic_conditional_rates = torch.tensor(rates, dtype=torch.float32, device=device)
+        self.synthetic_mode = self.synthetic_conditional_rates is not None
+        self.fly_window_size: int | None = None
+        self.fly_entropy_threshold = 0.0
+        if method == "fly":
+            self.fly_window_size = int(spec_config.fly_window_size)
+            self.fly_entropy_threshold = float(spec_config.fly_entropy_threshold)
+        # A plain string (a Mock config has a Mock here: anything but "block" is standard).
+        verify_method = getattr(spec_config, "verify_method", "standard")
+        self.verify_method = "block" if isinstance(verify_method, str) and verify_method == "block" else "standard"
+
+    def forward(self, metadata: Any, draft_probs: Tensor | None, logits: Tensor, sampling_metadata: Any) -> Any:
+        """Verify the drafts of ``metadata`` against ``logits``.
+
+        Args:
+            metadata: ``SpecDecodeMetadata`` (vLLM's or :class:`SpecDecodeMetadata`).
+            draft_probs: float ``[T, V]``: the distribution each draft was drawn from; None for
+                deterministic drafts (n-gram).
+            logits: float ``[T + B, V]``: the target's logits; rows ``metadata.target_logits_indices``
+                are the draft positions, rows ``metadata.bonus_logits_indices`` the bonus positions.
+            sampling_metadata: ``SamplingMetadata`` (vLLM's or :class:`SamplingMetadata`).
+        Returns:
+            ``SamplerOutput`` with ``sampled_token_ids`` int32 ``[B, max_spec_len + 1]`` (``-1``
+            after each request's tokens) and logprobs when ``max_num_logprobs`` is not None.
+        """
+        if metadata.max_spec_len > MAX_SPEC_LEN:
+            fail("RejectionSampler", "metadata.max_spec_len", f"at most {MAX_SPEC_LEN}", metadata.max_spec_len)
+        # Indexing copies: neither slice aliases the caller's logits.
+        bonus_logits = logits[metadata.bonus_logits_indices]
+        bonus_output = self.sampler(
+            logits=bonus_logits,
+            sampling_metadata=_replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
+        )
+        bonus_token_ids = bonus_output.sampled_token_ids
+        raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+        target_logits = raw_target_logits if self.is_processed_logprobs_mode else raw_target_logits.clone()
+        target_logits = self.apply_logits_processors(target_logits, sampling_metadata, metadata)
+        target_logits = apply_sampling_constraints(target_logits, metadata.cu_num_draft_tokens, sampling_metadata)
+        output_token_ids = rejection_sample(
+            metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len, metadata.cu_num_draft_tokens,
+            draft_probs, target_logits, bonus_token_ids, sampling_metadata,
+            synthetic_mode=self.synthetic_mode, synthetic_conditional_rates=self.synthetic_conditional_rates,
+            verify_method=self.verify_method, fly_window_size=self.fly_window_size,
+            fly_entropy_threshold=self.fly_entropy_threshold,
+        )
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs, metadata, logits,
+                target_logits if self.is_processed_logprobs_mode else raw_target_logits,
+                bonus_output.logprobs_tensors.logprobs, output_token_ids,
+            )
+        return _sampler_output_type(bonus_output)(sampled_token_ids=output_token_ids,
+                                                  logprobs_tensors=logprobs_tensors)
+
+    def _get_logprobs_tensors(self, max_num_logprobs: int, metadata: Any, logits: Tensor, target_logits: Tensor,
+                              bonus_logits: Tensor, sampled_token_ids: Tensor) -> Any:
+        """Logprobs of every output slot (rejected slots read token 0; ``parse_output`` drops them)."""
+        starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
+        starts[1:] = metadata.cu_num_sampled_tokens[:-1]
+        final_logits = torch.zeros_like(logits, dtype=torch.float32)
+        final_logits[metadata.target_logits_indices] = target_logits.to(torch.float32)
+        final_logits[metadata.bonus_logits_indices] = bonus_logits.to(torch.float32)
+        offsets = torch.arange(sampled_token_ids.shape[-1], device=starts.device, dtype=starts.dtype)
+        rows = (starts[:, None] + offsets[None, :]).flatten().clamp_(max=final_logits.shape[0] - 1)
+        tokens = sampled_token_ids.flatten().clone()
+        tokens[tokens == PLACEHOLDER_TOKEN_ID] = 0
+        accepted_logits = final_logits[rows]
+        logprobs = accepted_logits if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(accepted_logits)
+        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens.to(torch.int64))
+
+    @staticmethod
+    def parse_output(output_token_ids: Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
+                     logprobs_tensors: Any = None) -> tuple[list[list[int]], Any]:
+        """The valid tokens of each request (placeholders and ids ``>= vocab_size`` dropped).
+
+        Args:
+            output_token_ids: integer ``[B, max_spec_len + 1]`` from :meth:`forward`.
+            vocab_size: V.
+            discard_req_indices: requests whose tokens are all dropped.
+            logprobs_tensors: vLLM's ``LogprobsTensors`` to filter alike (``filter``, ``tolists``).
+        Returns:
+            (token lists, the filtered logprobs lists or None).
+        """
+        ids = output_token_ids.cpu().numpy()
+        valid = (ids != PLACEHOLDER_TOKEN_ID) & (ids < vocab_size)
+        logprobs = None
+        if logprobs_tensors is not None:
+            cu = [0] + valid.sum(axis=1).cumsum().tolist()
+            logprobs = logprobs_tensors.filter(valid.flatten()).tolists(cu)
+        if len(discard_req_indices) > 0:
+            valid[list(discard_req_indices)] = False
+        return [row[valid[i]].tolist() for i, row in enumerate(ids)], logprobs
+
+    def apply_logits_processors(self, logits: Tensor, sampling_metadata: Any, metadata: Any) -> Tensor:
+        """Penalties, allowed-token masks, bad words and min-tokens processors, per draft row (vLLM's order).
+
+        logits: float32 ``[T, V]``, modified in place where vLLM modifies it; returns the result.
+        """
+        has_penalties = not sampling_metadata.no_penalties
+        output_token_ids = sampling_metadata.output_token_ids
+        if sampling_metadata.bad_words_token_ids or has_penalties:
+            output_token_ids = self._combine_outputs_with_spec_tokens(
+                output_token_ids, getattr(sampling_metadata, "spec_token_ids", None))
+        if sampling_metadata.allowed_token_ids_mask is not None or has_penalties:
+            request_of_row = torch.repeat_interleave(torch.arange(len(metadata.num_draft_tokens)),
+                                                     torch.tensor(metadata.num_draft_tokens, dtype=torch.int64))
+            request_of_row = request_of_row.to(logits.device)
+            logits = self.apply_penalties(logits, sampling_metadata, metadata, request_of_row, output_token_ids)
+            if sampling_metadata.allowed_token_ids_mask is not None:
+                logits.masked_fill_(sampling_metadata.allowed_token_ids_mask[request_of_row], float("-inf"))
+        if sampling_metadata.bad_words_token_ids:
+            _apply_bad_words_with_drafts(logits, sampling_metadata.bad_words_token_ids, output_token_ids,
+                                         metadata.num_draft_tokens)
+        processors = getattr(getattr(sampling_metadata, "logitsprocs", None), "non_argmax_invariant", ())
+        for processor in processors:
+            if hasattr(processor, "apply_with_spec_decode"):  # vLLM's min-tokens processor
+                logits = processor.apply_with_spec_decode(logits, metadata.num_draft_tokens)
+        return logits
+
+    @staticmethod
+    def apply_penalties(logits: Tensor, sampling_metadata: Any, metadata: Any, repeat_indices: Tensor,
+                        output_token_ids: list[list[int]]) -> Tensor:
+        """Repetition, frequency and presence penalties (OpenAI's definitions, as vLLM), in place.
+
+        repeat_indices: int64 ``[T]``: the request of each row; output_token_ids: ``T`` lists,
+        each row's output so far (its request's output plus the drafts before it).
+        """
+        if sampling_metadata.no_penalties:
+            return logits
+        if sampling_metadata.prompt_token_ids is None:
+            fail("RejectionSampler", "sampling_metadata.prompt_token_ids", "a tensor [B, L] with penalties", None)
+        T, V = logits.shape
+        prompt = sampling_metadata.prompt_token_ids[repeat_indices].long()
+        width = max((len(o) for o in output_token_ids), default=0)
+        rows = [list(o) + [V] * (width - len(o)) for o in output_token_ids]
+        output = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width).to(logits.device)
+        output.masked_fill_(output == -1, V)  # placeholders of async scheduling count as padding
+        prompt_mask = _bin_counts(prompt, T, V) > 0
+        output_counts = _bin_counts(output, T, V)
+        repetition = sampling_metadata.repetition_penalties[repeat_indices].unsqueeze(1)
+        penalties = torch.where(prompt_mask | (output_counts > 0), repetition, 1.0)
+        logits *= torch.where(logits > 0, 1.0 / penalties, penalties)
+        logits -= sampling_metadata.frequency_penalties[repeat_indices].unsqueeze(1) * output_counts
+        logits -= sampling_metadata.presence_penalties[repeat_indices].unsqueeze(1) * (output_counts > 0)
+        return logits
+
+    @staticmethod
+    def _combine_outputs_with_spec_tokens(output_token_ids: list[list[int]],
+                                          spec_token_ids: list[list[int]] | None = None) -> list[list[int]]:
+        """One list per draft row: the request's output followed by the drafts before that row."""
+        if spec_token_ids is None:
+            return output_token_ids
+        result = []
+        for out, spec in zip(output_token_ids, spec_token_ids):
+            result += [list(out) + list(spec[:i]) for i in range(len(spec))]
+        return result
+
+
+def _sampler_output_type(bonus_output: Any) -> type:
+    """The caller's ``SamplerOutput`` class where it has the two fields, else ours."""
+    cls = type(bonus_output)
+    return cls if dataclasses.is_dataclass(cls) and {"sampled_token_ids", "logprobs_tensors"} <= {
+        f.name for f in dataclasses.fields(cls)} else SamplerOutput
+
+
+def _bin_counts(tokens: Tensor, rows: int, vocab_size: int) -> Tensor:
+    """int64 ``[rows, V]``: occurrences of each id in each row of ``tokens`` (id V = padding)."""
+    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.int64, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens))
+    return counts[:, :vocab_size]
+
+
+def _apply_bad_words_with_drafts(logits: Tensor, bad_words_token_ids: dict[int, list[list[int]]],
+                                 past_tokens_ids: list[list[int]], num_draft_tokens: list[int]) -> None:
+    """Ban, per draft row of a request with bad words, each bad word's last token where its prefix
+    ends the row's past tokens (in place). Rows of request i start after the drafts of requests < i."""
+    starts = np.concatenate([[0], np.cumsum(num_draft_tokens)]).tolist()
+    for i, words in bad_words_token_ids.items():
+        for row in range(starts[i], starts[i] + num_draft_tokens[i]):
+            past = past_tokens_ids[row]
+            for word in words:
+                prefix = len(word) - 1
+                if prefix <= len(past) and (prefix == 0 or list(past[-prefix:]) == list(word[:-1])):
+                    logits[row, word[-1]] = float("-inf")
+
+
+# ----------------------------------------------------------------------------- functions
+
+
+def apply_sampling_constraints(logits: Tensor, cu_num_draft_tokens: Tensor, sampling_metadata: Any) -> Tensor:
+    """Temperature, then top-k, then top-p per request, on the draft rows' logits (in place).
+
+    Args:
+        logits: float ``[T, V]``.
+        cu_num_draft_tokens: integer ``[B]``.
+        sampling_metadata: temperature ``[B]`` (0 = greedy: those rows stay unscaled), top_k /
+            top_p ``[B]`` or None.
+    Returns:
+        ``logits`` scaled, with the tokens outside top-k / top-p at ``-inf`` (unchanged when
+        ``all_greedy``). Top-k keeps exactly k tokens (ties to the lower id, via
+        :func:`specsampler.logits_to_probs`); vLLM keeps every token tied with the k-th.
+    """
+    if sampling_metadata.all_greedy:
+        return logits
+    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
+    expand = lambda x: torch.repeat_interleave(x, counts.to(x.device), output_size=logits.shape[0])
+    temperature = expand(sampling_metadata.temperature)
+    temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
+    logits.div_(temperature.unsqueeze(-1).to(logits.dtype))
+    top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+    if top_k is None and top_p is None:
+        return logits
+    params = SamplingParams(top_k=expand(top_k) if top_k is not None else 0,
+                            top_p=expand(top_p).float() if top_p is not None else 1.0)
+    kept = logits_to_probs(logits, params) > 0
+    return logits.masked_fill_(~kept, float("-inf"))
+
+
+def generate_uniform_probs(num_tokens: int, num_draft_tokens: list[int], generators: dict[int, torch.Generator],
+                           device: torch.device | str) -> Tensor:
+    """vLLM's acceptance uniforms: float64 ``[num_tokens]`` in [0, 1), exactly its draws.
+
+    All from the global generator, then each seeded request (with drafts) redraws its slice from its
+    own generator. Used by the lossy modes; lossless verification draws from Philox streams.
+    """
+    u = torch.rand((num_tokens,), dtype=torch.float64, device=device)
+    start = 0
+    for i, n in enumerate(num_draft_tokens):
+        if n == 0:  # no draw for a request without drafts: it keeps its generator's state
+            continue
+        generator = generators.get(i)
+        if generator is not None:
+            u[start:start + n].uniform_(generator=generator)
+        start += n
+    return u
+
+
+def sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int], cu_num_draft_tokens: Tensor,
+                            draft_token_ids: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
+                            sampling_metadata: Any, device: torch.device | str,
+                            use_fp64_gumbel: bool = False) -> Tensor:
+    """A draw from each draft position's residual ``max(p - q, 0)`` (``q`` one-hot at the draft
+    when ``draft_probs`` is None), exactly vLLM's: ``argmax(residual / e)`` with ``e ~ Exp(1)`` per
+    request and token (an exponential race, i.e. a categorical draw from the normalised residual),
+    ``e`` from the request's generator when seeded. A residual of all zeros gives token 0.
+
+    Args:
+        max_spec_len: K; num_draft_tokens: ``B`` ints; cu_num_draft_tokens: integer ``[B]``.
+        draft_token_ids: integer ``[T]`` (or ``[T, 1]``); draft_probs: float ``[T, V]`` or None;
+        target_probs: float ``[T, V]``.
+        sampling_metadata: its ``generators`` are read.
+        device: where the exponentials are drawn.
+        use_fp64_gumbel: draw the exponentials in float64.
+    Returns:
+        ``draft_token_ids``'s shape and dtype, ids in ``[0, V)``.
+    """
+    B, V = len(num_draft_tokens), target_probs.shape[-1]
+    e = torch.empty((B, V), dtype=torch.float64 if use_fp64_gumbel else torch.float32, device=device)
+    e.exponential_()
+    for i, generator in sampling_metadata.generators.items():
+        if num_draft_tokens[i] > 0:
+            e[i].exponential_(generator=generator)
+    inv_e = e.reciprocal()
+    if draft_probs is None:
+        residual = target_probs.clone()
+        x = draft_token_ids.reshape(-1).long()
+        rows = torch.nonzero((x >= 0) & (x < V))[:, 0]
+        residual[rows, x[rows]] = 0.0
+    else:
+        residual = (target_probs - draft_probs).clamp_min_(0.0)
+    request = torch.repeat_interleave(torch.arange(B, device=residual.device),
+                                      torch.tensor(num_draft_tokens, device=residual.device),
+                                      output_size=draft_token_ids.shape[0])
+    recovered = (residual * inv_e[request]).argmax(-1)
+    return recovered.to(draft_token_ids.dtype).reshape(draft_token_ids.shape)
+
+
+def rejection_sample(
+    draft_token_ids: Tensor,
+    num_draft_tokens: list[int],
+    max_spec_len: int,
+    cu_num_draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    target_logits: Tensor,
+    bonus_token_ids: Tensor,
+    sampling_metadata: Any,
+    synthetic_mode: bool = False,
+    synthetic_conditional_rates: Tensor | None = None,
+    verify_method: str = "standard",
+    *,
+    fly_window_size: int | None = None,
+    fly_entropy_threshold: float = 0.0,
+) -> Tensor:
+    """Verify each request's drafts; maps onto :func:`specsampler.verify_chain_from_logits`.
+
+    Args:
+        draft_token_ids: integer ``[T]``: the drafts of all requests, concatenated.
+        num_draft_tokens: ``B`` ints, each ``<= max_spec_len``, summing to T.
+        max_spec_len: K, the width of the output minus one.
+        cu_num_draft_tokens: integer ``[B]``: inclusive cumulative sums of ``num_draft_tokens``.
+        draft_probs: float ``[T, V]`` or None (deterministic drafts).
+        target_logits: float ``[T, V]``: the target's processed logits (temperature, top-k, top-p
+            applied; greedy rows unscaled) at each draft position.
+        bonus_token_ids: integer ``[B, 1]`` (or ``[B]``): emitted when all of a request's drafts are accepted.
+        sampling_metadata: ``all_greedy``, ``all_random``, ``temperature [B]`` (0 = greedy), ``generators``.
+        synthetic_mode, synthetic_conditional_rates: vLLM's synthetic acceptance (lossy): draft i
+            is accepted iff ``u_i < rates[i]``, float32 ``[>= K]``.
+        verify_method: ``"standard"`` (token rejection sampling) or ``"block"`` (block verification).
+        fly_window_size, fly_entropy_threshold: FLy's deferral (lossy), off when the window is None.
+    Returns:
+        int32 ``[B, max_spec_len + 1]``: accepted drafts, then the recovered or bonus token, then -1.
+    """
+    op = "rejection_sample"
+    B, K = len(num_draft_tokens), int(max_spec_len)
+    check_tensor(op, "draft_token_ids", draft_token_ids, kind="int", ndim=1)
+    check_tensor(op, "target_logits", target_logits, kind="float", ndim=2)
+    T, V = target_logits.shape
+    check_shape(op, "draft_token_ids", draft_token_ids, (T,), "[T] (rows of target_logits)")
+    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
+    check_shape(op, "cu_num_draft_tokens", cu_num_draft_tokens, (B,), "[B] (len(num_draft_tokens))")
+    if draft_probs is not None:
+        check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=2)
+        check_shape(op, "draft_probs", draft_probs, (T, V), "[T, V]")
+    check_tensor(op, "bonus_token_ids", bonus_token_ids, kind="int", ndim=(1, 2))
+    if bonus_token_ids.numel() != B:
+        fail(op, "bonus_token_ids", f"B = {B} tokens ([B, 1])", list(bonus_token_ids.shape))
+    if sum(num_draft_tokens) != T or any(n < 0 or n > K for n in num_draft_tokens):
+        fail(op, "num_draft_tokens", f"B counts in [0, max_spec_len = {K}] summing to T = {T}", num_draft_tokens)
+    if verify_method not in ("standard", "block"):
+        fail(op, "verify_method", "'standard' or 'block'", repr(verify_method))
+    dev = target_logits.device
+    chain = _Chain.of(num_draft_tokens, K, dev)
+    bonus = bonus_token_ids.reshape(B).to(device=dev, dtype=torch.int64)
+    greedy = _greedy_rows(sampling_metadata, B, dev)
+    if synthetic_mode or fly_window_size is not None:
+        rates = synthetic_conditional_rates if synthetic_mode else None
+        return _rejection_sample_lossy(chain, num_draft_tokens, draft_token_ids, draft_probs, target_logits, bonus,
+                                       greedy, sampling_metadata, rates, fly_window_size, fly_entropy_threshold)
+    n = chain.counts
+    x = chain.pad(draft_token_ids.long(), 0)
+    q = chain.pad(draft_probs.float(), 0.0) if draft_probs is not None else None
+    logits = torch.cat([chain.pad(target_logits, 0.0), target_logits.new_zeros(B, 1, V)], 1)
+    if sampling_metadata.all_greedy:
+        method, params = "greedy", None
+    else:
+        method = "target_only" if q is None else ("block" if verify_method == "block" and K >= 3 else "token")
+        params = SamplingParams(temperature=torch.where(greedy, 0.0, 1.0)) if bool(greedy.any()) else None
+    rng = Philox(_request_seeds(num_draft_tokens, sampling_metadata.generators, dev))
+    res = verify_chain_from_logits(logits, x, params, draft_probs=q, num_drafts=n, method=method, rng=rng)
+    # The bonus position holds the caller's bonus token, not the one drawn from the padding row.
+    tokens = res.tokens.scatter(1, n[:, None], torch.where(res.num_accepted == n, bonus,
+                                                           res.tokens.gather(1, n[:, None])[:, 0])[:, None])
+    return tokens.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """Where each flattened draft row sits in the padded ``[B, K]`` layout."""
+
+    B: int
+    K: int
+    counts: Tensor  # int64 [B]
+    request: Tensor  # int64 [T]
+    position: Tensor  # int64 [T]
+
+    @staticmethod
+    def of(num_draft_tokens: list[int], K: int, device: torch.device) -> _Chain:
+        counts = torch.tensor(num_draft_tokens, dtype=torch.int64)
+        request = torch.repeat_interleave(torch.arange(len(num_draft_tokens)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(int(counts.sum())) - starts[request]
+        return _Chain(len(num_draft_tokens), max(K, 0), counts.to(device), request.to(device), position.to(device))
+
+    def pad(self, rows: Tensor, fill: float | int) -> Tensor:
+        """``[T, ...]`` -> ``[B, K, ...]``, ``fill`` past each request's drafts."""
+        out = rows.new_full((self.B, self.K, *rows.shape[1:]), fill)
+        out[self.request, self.position] = rows
+        return out
+
+
+def _greedy_rows(sampling_metadata: Any, B: int, device: torch.device) -> Tensor:
+    """bool ``[B]``: the greedy requests."""
+    if sampling_metadata.all_greedy:
+        return torch.ones(B, dtype=torch.bool, device=device)
+    if sampling_metadata.all_random:
+        return torch.zeros(B, dtype=torch.bool, device=device)
+    return (sampling_metadata.temperature == GREEDY_TEMPERATURE).to(device)
+
+
+def _request_seeds(num_draft_tokens: list[int], generators: dict[int, torch.Generator], device: torch.device) -> Tensor:
+    """int64 ``[B]``: each request's Philox key, from its own generator where it has one."""
+    seeds = torch.randint(0, 2**62, (len(num_draft_tokens),), dtype=torch.int64, device=device)
+    for i, generator in generators.items():
+        if num_draft_tokens[i] > 0:
+            seeds[i] = torch.randint(0, 2**62, (1,), dtype=torch.int64, generator=generator,
+                                     device=generator.device).to(device)[0]
+    return seeds
+
+
+# ----------------------------------------------------------------------------- lossy modes
+
+
+def _fly_entropy(probs: Tensor) -> Tensor:
+    """FLy's uncertainty: entropy of the ``VLLM_FLY_ENTROPY_TOP_K`` (default 3) largest probabilities."""
+    k = int(os.environ.get("VLLM_FLY_ENTROPY_TOP_K", "3"))
+    if k <= 0:
+        fail("rejection_sample", "VLLM_FLY_ENTROPY_TOP_K", "a value > 0", k)
+    top = torch.topk(probs.float(), min(k, probs.shape[-1]), dim=-1).values
+    return -torch.where(top > 0, top * top.log(), 0.0).sum(-1)
+
+
+def _next_all(ok: Tensor, window: int) -> Tensor:
+    """bool ``[B, K]``: ``ok`` holds at each of the next ``window`` positions (inside ``[B, K]``)."""
+    B, K = ok.shape
+    run = torch.cat([ok.long(), ok.new_zeros(B, window + 1, dtype=torch.long)], 1).cumsum(1)
+    before = torch.cat([ok.new_zeros(B, 1, dtype=torch.long), run], 1)
+    pos = torch.arange(K, device=ok.device)
+    return (before[:, pos + window + 1] - before[:, pos + 1]) == window
+
+
+def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], draft_token_ids: Tensor,
+                            draft_probs: Tensor | None, target_logits: Tensor, bonus: Tensor, greedy: Tensor,
+                            sampling_metadata: Any, rates: Tensor | None, fly_window: int | None,
+                            fly_threshold: float) -> Tensor:
+    """vLLM's synthetic and FLy modes (lossy), with its uniforms and recovered tokens.
+
+    Per draft position an acceptance and a replacement token (greedy requests: the target argmax;
+    sampled ones: :func:`sample_recovered_tokens`); each request emits its accepted prefix, then
+    the replacement at the first rejection, or its bonus token. Sampled requests accept by
+    vLLM's rule ``q(x) > 0 and p(x) / q(x) >= u`` (``q = 1`` without draft_probs).
+    """
+    B, K, dev = chain.B, chain.K, target_logits.device
+    T, V = target_logits.shape
+    n, pos = chain.counts, torch.arange(K, device=dev)
+    x = draft_token_ids.long()
+    valid = (x >= 0) & (x < V)
+    at_draft = lambda rows: rows.gather(1, x.clamp(0, V - 1)[:, None])[:, 0]
+    sampled_row = ~greedy[chain.request]
+    replacement = target_logits.argmax(-1)
+    probs = target_logits.softmax(-1, dtype=torch.float32)
+    p_x = torch.where(valid, at_draft(probs), 0.0).double()
+    q_x = at_draft(draft_probs).double() if draft_probs is not None else torch.ones_like(p_x)
+    u = None
+    if rates is not None or not sampling_metadata.all_greedy:
+        u = generate_uniform_probs(T, num_draft_tokens, sampling_metadata.generators, dev)
+    if not sampling_metadata.all_greedy:
+        recovered = sample_recovered_tokens(K, num_draft_tokens, chain.counts, draft_token_ids, draft_probs, probs,
+                                            sampling_metadata, dev)
+        replacement = torch.where(sampled_row, recovered.long(), replacement)
+    if rates is not None:
+        accept = u < rates[chain.position].double()
+    else:
+        accept = x == replacement
+        if u is not None:
+            accept = torch.where(sampled_row, valid & (q_x > 0) & (p_x / q_x >= u), accept)
+    if fly_window is not None:
+        reachable = torch.where(sampled_row, (q_x > 0) & (p_x > 0), at_draft(target_logits) > float("-inf"))
+        deferrable = valid & ~accept & reachable & (_fly_entropy(probs) >= fly_threshold)
+        later = _next_all(chain.pad(accept, False), fly_window) & ((pos + fly_window) < n[:, None])
+        accept = accept | (deferrable & later[chain.request, chain.position])
+    run = chain.pad(accept, False).long().cumprod(1).sum(1)  # accepted drafts per request
+    if K:
+        stop = chain.pad(replacement, PLACEHOLDER_TOKEN_ID).gather(1, run.clamp(max=K - 1)[:, None])[:, 0]
+        bonus = torch.where(run < n, stop, bonus)
+    out = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=dev)
+    out[:, :K] = torch.where(pos < run[:, None], chain.pad(x, PLACEHOLDER_TOKEN_ID), PLACEHOLDER_TOKEN_ID)
+    out.scatter_(1, run[:, None], bonus[:, None])
+    return out.to(torch.int32)
