@@ -1,0 +1,146 @@
+"""Hugging Face transformers' speculative sampling on specsampler.
+
+- :func:`speculative_sampling`: transformers' ``generation.utils._speculative_sampling`` (the
+  verification step of ``generate(..., assistant_model=..., do_sample=True)``), same arguments
+  and return, mapped onto :func:`specsampler.verify_chain` (``method="token"``).
+- :func:`patched`: a context manager under which transformers' own assisted generation verifies
+  with specsampler, by ``method="token"`` or ``"block"`` (block verification accepts at least as
+  many drafts in expectation, with the same lossless output).
+
+Tested with transformers 5.24; the signature also takes the 4.x form, where the fifth argument is
+``is_done_candidate`` (the last draft is an EOS, or reaches ``max_length``), up to the 4.56 floor.
+transformers is imported only inside :func:`patched`.
+
+Differences from transformers: acceptance is the strict ``u * q(x) < p(x)`` (transformers:
+``u <= p(x) / q(x)``, which accepts a target-probability-0 draft when ``u == 0``); the uniforms of
+the lossless path come from ``torch.rand`` on the device (transformers: ``torch.rand_like`` and
+``torch.multinomial``), so ``torch.manual_seed`` reproduces runs, but not transformers' numbers;
+batch size 1 only, as transformers (a ValueError otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from specsampler import verify_chain
+from specsampler.validation import check_tensor, fail
+
+__all__ = ["patched", "speculative_sampling"]
+
+METHODS = ("token", "block")
+
+
+def speculative_sampling(
+    candidate_input_ids: Tensor,
+    candidate_logits: Tensor,
+    candidate_length: int,
+    new_logits: Tensor,
+    is_done_candidate: bool = False,
+    assistant_ensemble_weight: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Verify the assistant's candidates against the target (Leviathan et al., algorithm 1).
+
+    Maps onto :func:`specsampler.verify_chain` with ``method="token"``: lossless.
+
+    Args:
+        candidate_input_ids: int64 ``[1, L + candidate_length]``: the sequence with the candidates last.
+        candidate_logits: float ``[1, candidate_length, V]``: the assistant's processed logits, whose
+            softmax each candidate was drawn from.
+        candidate_length: the number of candidates, ``K``.
+        new_logits: float ``[1, K + 1, V]``: the target's processed logits after each prefix.
+        is_done_candidate: (transformers 4.x) the last candidate ends generation: when all are
+            accepted, no bonus token is drawn and the last candidate is not counted as a match.
+        assistant_ensemble_weight: transformers' static ensemble verification (DIVERSED): with a
+            weight ``w < 1`` the candidates are verified against ``w * p + (1 - w) * q`` — LOSSY,
+            the output no longer follows the target. Reproduced as transformers defines it
+            (``torch.rand_like`` uniforms, ``u <= ratio``, residual ``max(p - q, 0)`` drawn by
+            ``torch.multinomial``). None or ``>= 1``: lossless.
+    Returns:
+        ``(valid_tokens, n_matches)``: int64 ``[1, n_matches + 1]`` (the accepted candidates, then the
+        correction or bonus token) and a 0-dim int64 tensor, the accepted count.
+    """
+    return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate,
+                   assistant_ensemble_weight, "token")
+
+
+def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_length: int, new_logits: Tensor,
+            is_done_candidate: bool, weight: float | None, method: str) -> tuple[Tensor, Tensor]:
+    op = "speculative_sampling"
+    K = int(candidate_length)
+    check_tensor(op, "candidate_input_ids", candidate_input_ids, kind="int", ndim=2)
+    check_tensor(op, "candidate_logits", candidate_logits, kind="float", ndim=3)
+    check_tensor(op, "new_logits", new_logits, kind="float", ndim=3)
+    if candidate_input_ids.shape[0] != 1:
+        fail(op, "candidate_input_ids", "batch size 1 (as transformers' assisted generation)",
+             candidate_input_ids.shape[0])
+    if not 0 <= K <= min(candidate_input_ids.shape[1], candidate_logits.shape[1], new_logits.shape[1] - 1):
+        fail(op, "candidate_length", "at most the candidates in candidate_input_ids and candidate_logits, "
+             "with K + 1 rows of new_logits", K)
+    drafts = candidate_input_ids[:, candidate_input_ids.shape[1] - K:]
+    q = candidate_logits[:, :K].softmax(-1)
+    p = new_logits[:, :K + 1].softmax(-1)
+    if weight is not None and weight < 1.0:
+        if method != "token":
+            fail(op, "assistant_ensemble_weight", f"None or >= 1 with method {method!r} (the ensemble is "
+                 "defined for token verification)", weight)
+        return _ensemble(drafts, q, p, is_done_candidate, float(weight))
+    res = verify_chain(p, drafts, q, method=method)
+    n = res.num_accepted[0]
+    if is_done_candidate and int(n) == K:
+        return drafts.clone(), n - 1
+    return res.tokens[:, : int(n) + 1], n
+
+
+def _ensemble(drafts: Tensor, q: Tensor, p: Tensor, is_done_candidate: bool, w: float) -> tuple[Tensor, Tensor]:
+    """transformers' static ensemble verification (lossy), with its draws."""
+    K = drafts.shape[1]
+    at = torch.arange(K, device=drafts.device)
+    q_x, p_x = q[0, at, drafts[0]], p[0, at, drafts[0]]
+    ratio = 1.0 - w + w * (p_x / q_x)
+    accepted = torch.rand_like(ratio) <= ratio
+    n = ((~accepted).cumsum(-1) < 1).sum()
+    if is_done_candidate and int(n) == K:
+        return drafts.clone(), n - 1
+    row = p[:, int(n)]
+    if int(n) < K:
+        # max(v - q, 0) = w * max(p - q, 0): the same normalised residual.
+        residual = (row - q[:, int(n)]).clamp(min=0)
+        total = residual.sum()
+        row = row if total <= torch.finfo(residual.dtype).tiny else residual / total
+    t = torch.multinomial(row, num_samples=1).squeeze(1)[None, :]
+    return torch.cat((drafts[:, : int(n)], t), dim=-1), n
+
+
+@contextmanager
+def patched(method: str = "token") -> Iterator[None]:
+    """Make transformers' assisted generation verify with specsampler inside the block.
+
+    ``model.generate(..., assistant_model=draft, do_sample=True)`` then verifies each round of
+    candidates by :func:`specsampler.verify_chain` with ``method`` (``"token"`` or ``"block"``);
+    everything else (drafting, caches, stopping, the greedy path of ``do_sample=False``) stays
+    transformers'. On exit, exception or not, transformers' own function is back. The patch is
+    process-wide (a module attribute of ``transformers.generation.utils``): not for concurrent use.
+
+    Args:
+        method: ``"token"`` (Leviathan / Chen rejection sampling) or ``"block"`` (Sun et al. 2024).
+    """
+    if method not in METHODS:
+        fail("patched", "method", f"one of {METHODS}", repr(method))
+    from transformers.generation import utils
+
+    original = utils._speculative_sampling
+
+    def verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate=False,
+               assistant_ensemble_weight=None):
+        return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate,
+                       assistant_ensemble_weight, method)
+
+    utils._speculative_sampling = verify
+    try:
+        yield
+    finally:
+        utils._speculative_sampling = original

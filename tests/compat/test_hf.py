@@ -1,0 +1,210 @@
+"""specsampler.compat.hf: transformers' speculative sampling, and its assisted generation patched."""
+
+import inspect
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from specsampler.modelpair import load_pair  # noqa: E402
+from stats import assert_counts_match  # noqa: E402
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.generation import utils as hf_utils  # noqa: E402
+
+from conftest import mc_trials  # noqa: E402
+from specsampler import oracle  # noqa: E402
+from specsampler.compat.hf import patched, speculative_sampling  # noqa: E402
+
+ORIGINAL = hf_utils._speculative_sampling
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and OpenMP barriers cost milliseconds on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def inputs(p, q, drafts, prompt=(7, 7)):
+    """transformers' arguments for target rows ``p [K+1, V]``, draft rows ``q [K, V]`` and the drafts."""
+    ids = torch.tensor([list(prompt) + list(drafts)])
+    return ids, q.log()[None], len(drafts), p.log()[None]
+
+
+# ------------------------------------------------------------------------------------- the function
+
+
+def test_accepts_drafts_the_target_is_sure_of_and_corrects_an_impossible_one():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.2, 0.8, 0.0], [0.5, 0.0, 0.5]])
+    tokens, n = speculative_sampling(*inputs(p, q, [1, 0]))
+    assert tokens.tolist() == [[1, 2]] and tokens.dtype == torch.int64
+    assert n.dim() == 0 and n.dtype == torch.int64 and int(n) == 1
+
+
+def test_all_accepted_draws_the_bonus_unless_the_last_candidate_ends_generation():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    tokens, n = speculative_sampling(*inputs(p, q, [1, 2]))
+    assert tokens.tolist() == [[1, 2, 0]] and int(n) == 2
+    tokens, n = speculative_sampling(*inputs(p, q, [1, 2]), True)  # transformers 4.x's is_done_candidate
+    assert tokens.tolist() == [[1, 2]] and int(n) == 1
+
+
+def emitted_counts(verify, p, q, drafts, trials):
+    counts = {}
+    for _ in range(trials):
+        seq = tuple(verify(*inputs(p, q, drafts))[0][0].tolist())
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+def check_against_oracle(counts, exact, label):
+    keys = sorted(set(exact) | set(counts))
+    assert_counts_match(np.array([counts.get(k, 0) for k in keys]), np.array([exact.get(k, 0.0) for k in keys]),
+                        label=label)
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_emitted_sequences_follow_the_oracle(method):
+    g = torch.Generator().manual_seed(4)
+    p = torch.softmax(2 * torch.randn(3, 4, generator=g, dtype=torch.float64), -1).float()
+    q = torch.softmax(2 * torch.randn(2, 4, generator=g, dtype=torch.float64), -1).float()
+    drafts = (1, 3)
+    exact = {}
+    for seq, prob, _ in oracle.chain_given_drafts(method, drafts, list(p.double().numpy()), list(q.double().numpy())):
+        exact[seq] = exact.get(seq, 0.0) + prob
+    trials = mc_trials(40_000, 1_500)
+    torch.manual_seed(0)
+    if method == "token":
+        counts = emitted_counts(speculative_sampling, p, q, drafts, trials)
+    else:
+        with patched("block"):
+            counts = emitted_counts(hf_utils._speculative_sampling, p, q, drafts, trials)
+    check_against_oracle(counts, exact, method)
+
+
+@pytest.mark.skipif("assistant_ensemble_weight" not in inspect.signature(ORIGINAL).parameters,
+                    reason="this transformers has no ensemble verification")
+def test_the_lossy_ensemble_draws_what_transformers_draws():
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(4, 6, generator=g), -1)
+    q = torch.softmax(torch.randn(3, 6, generator=g), -1)
+    args = inputs(p, q, [2, 0, 5])
+    for seed in range(20):
+        torch.manual_seed(seed)
+        ours = speculative_sampling(*args, assistant_ensemble_weight=0.6)
+        torch.manual_seed(seed)
+        theirs = ORIGINAL(*args, assistant_ensemble_weight=0.6)
+        assert ours[0].tolist() == theirs[0].tolist() and int(ours[1]) == int(theirs[1])
+
+
+def test_the_triton_path_draws_the_torch_paths_tokens(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    p = torch.softmax(torch.randn(3, 8, generator=g), -1)
+    q = torch.softmax(torch.randn(2, 8, generator=g), -1)
+    args = inputs(p, q, [3, 6])
+    results = []
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SPECSAMPLER_BACKEND", backend)
+        torch.manual_seed(1)
+        results.append([speculative_sampling(*args)[0].tolist() for _ in range(3)])
+    assert results[0] == results[1]
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    p, q = torch.full((3, 4), 0.25), torch.full((2, 4), 0.25)
+    ids, cl, k, nl = inputs(p, q, [1, 2])
+    with pytest.raises(ValueError, match="speculative_sampling: candidate_input_ids: expected batch size 1"):
+        speculative_sampling(ids.expand(2, -1), cl.expand(2, -1, -1), k, nl.expand(2, -1, -1))
+    with pytest.raises(ValueError, match="speculative_sampling: candidate_length"):
+        speculative_sampling(ids, cl, 3, nl)
+    with pytest.raises(ValueError, match="patched: method"), patched("rrs"):
+        pass
+    with patched("block"), pytest.raises(ValueError, match="assistant_ensemble_weight"):
+        hf_utils._speculative_sampling(ids, cl, k, nl, assistant_ensemble_weight=0.5)
+
+
+# ------------------------------------------------------------------------------------- patched generate
+
+
+def test_patched_restores_transformers_on_exit_and_on_exceptions():
+    with patched("block"):
+        assert hf_utils._speculative_sampling is not ORIGINAL
+    assert hf_utils._speculative_sampling is ORIGINAL
+    with pytest.raises(RuntimeError, match="inside"), patched("token"):
+        raise RuntimeError("inside")
+    assert hf_utils._speculative_sampling is ORIGINAL
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft, tokenizer = load_pair()
+    return target, draft, torch.tensor([tokenizer.encode("    def __init__(self, ")])
+
+
+def test_greedy_assisted_generation_is_unchanged(pair):
+    target, draft, prompt = pair
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    plain = target.generate(prompt, **kw)
+    assisted = target.generate(prompt, assistant_model=draft, **kw)
+    with patched("block"):
+        inside = target.generate(prompt, assistant_model=draft, **kw)
+    assert torch.equal(plain, assisted) and torch.equal(assisted, inside)
+
+
+def tiny_llama(seed: int, scale: float) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def exact_first_tokens(model, prompt: torch.Tensor, steps: int) -> dict:
+    """The model's exact joint distribution of its first ``steps`` sampled tokens (temperature 1)."""
+    V = model.config.vocab_size
+    out = {}
+    for seq in itertools.product(range(V), repeat=steps):
+        ids = torch.cat([prompt[0], torch.tensor(seq[:-1], dtype=torch.long)])[None]
+        with torch.no_grad():
+            probs = torch.softmax(model(ids).logits[0, -steps:].double(), -1)
+        out[seq] = float(np.prod([probs[i, t] for i, t in enumerate(seq)]))
+    return out
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_sampled_assisted_generation_follows_the_target(method):
+    """The first two tokens of patched assisted generation are drawn from the target's own joint."""
+    target, draft = tiny_llama(0, 4.0), tiny_llama(1, 4.0)
+    prompt = torch.tensor([[1, 4, 2]])
+    config = GenerationConfig(do_sample=True, max_new_tokens=3, num_assistant_tokens=2, top_k=0,
+                              num_assistant_tokens_schedule="constant", pad_token_id=0)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return verify(*args, **kwargs)
+
+    trials = mc_trials(20_000, 200)
+    counts = {}
+    torch.manual_seed(7)
+    with patched(method):
+        verify = hf_utils._speculative_sampling
+        hf_utils._speculative_sampling = spy
+        for _ in range(trials):
+            out = target.generate(prompt, attention_mask=torch.ones_like(prompt), assistant_model=draft,
+                                  generation_config=config)
+            seq = tuple(out[0, 3:5].tolist())
+            counts[seq] = counts.get(seq, 0) + 1
+    assert hf_utils._speculative_sampling is ORIGINAL and len(calls) >= trials
+    check_against_oracle(counts, exact_first_tokens(target, prompt, 2), f"assisted generate, {method}")

@@ -1,0 +1,269 @@
+"""specsampler.compat.vllm: vLLM v1's rejection sampler API on specsampler's verification."""
+
+import numpy as np
+import pytest
+import torch
+from stats import assert_counts_match
+
+import specsampler.compat.vllm as vllm
+from conftest import mc_trials
+from specsampler import exactness, oracle
+
+V = 5
+
+
+def flat(num_draft_tokens):
+    """vLLM's layout of per-request counts: the list and its inclusive cumulative sums (int32)."""
+    return list(num_draft_tokens), torch.tensor(np.cumsum(num_draft_tokens), dtype=torch.int32)
+
+
+def metadata(temperature=None, generators=None, **kw):
+    greedy = temperature is None
+    return vllm.SamplingMetadata(temperature=temperature, all_greedy=greedy, all_random=not greedy and bool(
+        (temperature != 0).all()), generators=generators or {}, **kw)
+
+
+def one_hot_logits(rows, vocab=V):
+    """Logits whose argmax at row i is ``rows[i]`` (float32 ``[len(rows), vocab]``)."""
+    logits = torch.full((len(rows), vocab), -5.0)
+    logits[torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)] = 5.0
+    return logits
+
+
+def run(drafts, logits, bonus, sm, draft_probs=None, **kw):
+    n, cu = flat([len(d) for d in drafts])
+    x = torch.tensor(sum(drafts, []), dtype=torch.int32)
+    return vllm.rejection_sample(x, n, max(n), cu, draft_probs, logits, torch.tensor(bonus)[:, None], sm, **kw)
+
+
+# ------------------------------------------------------------------------------------- greedy
+
+
+def test_greedy_requests_accept_the_argmax_prefix_then_emit_the_argmax_or_the_bonus():
+    drafts = [[1, 2, 3], [4], [], [0, 0]]
+    argmax = [[1, 2, 3], [2], [], [0, 4]]
+    out = run(drafts, one_hot_logits(sum(argmax, [])), [9, 8, 7, 6], metadata())
+    assert out.dtype == torch.int32 and out.shape == (4, 4)
+    assert out.tolist() == [[1, 2, 3, 9], [2, -1, -1, -1], [7, -1, -1, -1], [0, 4, -1, -1]]
+
+
+def test_greedy_and_sampled_requests_mix_in_one_batch():
+    drafts = [[1, 2], [3, 4]]
+    logits = one_hot_logits([1, 0, 3, 4])
+    sm = metadata(temperature=torch.tensor([0.0, 1.0]))
+    assert not sm.all_random and not sm.all_greedy
+    draft_probs = torch.full((4, V), 1.0 / V)
+    for _ in range(5):
+        out = run(drafts, logits, [9, 8], sm, draft_probs=draft_probs).tolist()
+        assert out[0] == [1, 0, -1]  # greedy: the argmax at the first mismatch
+        assert all(0 <= t < V or t in (8, -1) for t in out[1])
+
+
+def test_placeholder_drafts_are_never_accepted():
+    logits = torch.zeros(3, V)
+    for _ in range(10):
+        out = run([[2, -1, 3]], logits, [4], metadata(temperature=torch.ones(1)), draft_probs=None)[0].tolist()
+        assert out[2:] == [-1, -1] and 0 <= out[0] < V
+        assert 0 <= out[1] < V if out[0] == 2 else out[1] == -1
+
+
+# ------------------------------------------------------------------------------------- exactness
+
+
+def chain_trials(method, K, trials, seed):
+    """``trials`` requests of K drafts each from random models, in vLLM's flat layout, and the
+    oracle's distribution of the emitted sequence (the bonus drawn from the target, as vLLM's sampler)."""
+    target, drafter = exactness.random_model(V, seed), exactness.random_model(V, seed + 1)
+    P, Q = exactness.Table(target, V, K + 1), exactness.Table(drafter, V, K)
+    gen = torch.Generator().manual_seed(seed)
+    sampled = method != "target_only"
+    p, x, q = exactness.chain_inputs(P, Q, K, trials, sampled, gen)
+    bonus = torch.multinomial(p[:, K].double(), 1, generator=gen)
+    logits = p[:, :K].log().reshape(-1, V)
+    n, cu = flat([K] * trials)
+    draft = drafter if sampled else exactness.argmax_drafter(drafter)
+    exact = oracle.chain(target, draft, K, method, V).sequences
+    return x.reshape(-1).int(), n, cu, q.reshape(-1, V) if sampled else None, logits, bonus, exact
+
+
+@pytest.mark.montecarlo
+@pytest.mark.parametrize("method,verify_method,K", [("token", "standard", 2), ("block", "block", 3),
+                                                    ("target_only", "standard", 2)])
+def test_emitted_sequences_follow_the_oracle(method, verify_method, K):
+    trials = mc_trials(200_000, 20_000)
+    x, n, cu, q, logits, bonus, exact = chain_trials(method, K, trials, seed=3)
+    sm = metadata(temperature=torch.ones(trials))
+    out = vllm.rejection_sample(x, n, K, cu, q, logits, bonus, sm, verify_method=verify_method).long()
+    p, impossible = exactness.chi_square(exactness.encode(out, V), exactness.encode_dist(exact, K + 1, V))
+    assert impossible == 0 and p > 1e-4, (method, p, impossible)
+
+
+@pytest.mark.montecarlo
+def test_recovered_tokens_follow_the_normalised_residual():
+    trials = mc_trials(100_000, 20_000)
+    p = torch.tensor([0.1, 0.4, 0.2, 0.0, 0.3])
+    q = torch.tensor([0.3, 0.1, 0.2, 0.4, 0.0])
+    x = torch.zeros(trials, dtype=torch.int32)
+    n, cu = flat([1] * trials)
+    out = vllm.sample_recovered_tokens(1, n, cu, x, q.expand(trials, V), p.expand(trials, V), metadata(), "cpu")
+    residual = (p - q).clamp(min=0)
+    assert_counts_match(np.bincount(out.numpy(), minlength=V), (residual / residual.sum()).numpy(), label="residual")
+    without_draft = vllm.sample_recovered_tokens(1, n, cu, x + 1, None, p.expand(trials, V), metadata(), "cpu")
+    rest = p.clone()
+    rest[1] = 0
+    assert_counts_match(np.bincount(without_draft.numpy(), minlength=V), (rest / rest.sum()).numpy(), label="no q")
+
+
+# ------------------------------------------------------------------------------------- randomness
+
+
+def seeded_run(batch_logits, seed):
+    """Request 0 of a batch, seeded with its own generator."""
+    B = batch_logits.shape[0] // 2
+    drafts = [[1, 2]] * B
+    sm = metadata(temperature=torch.ones(B), generators={0: torch.Generator().manual_seed(seed)})
+    return run(drafts, batch_logits, list(range(B)), sm, draft_probs=torch.full((2 * B, V), 1.0 / V))[0]
+
+
+def test_a_seeded_request_is_reproducible_whatever_its_neighbours():
+    g = torch.Generator().manual_seed(0)
+    mine = torch.randn(2, V, generator=g)
+    alone = seeded_run(mine, 11)
+    for neighbours in (1, 5):
+        batch = torch.cat([mine, torch.randn(2 * neighbours, V, generator=g)])
+        assert torch.equal(seeded_run(batch, 11), alone)
+    outcomes = {tuple(seeded_run(mine, s).tolist()) for s in range(40)}
+    assert len(outcomes) > 1
+
+
+def test_generate_uniform_probs_draws_seeded_slices_from_their_generators():
+    gens = {1: torch.Generator().manual_seed(3), 2: torch.Generator().manual_seed(4)}
+    u = vllm.generate_uniform_probs(5, [2, 0, 3], gens, "cpu")
+    assert u.dtype == torch.float64 and u.shape == (5,)
+    # request 1 has no drafts: its generator is untouched; request 2's slice is rows 2..4
+    assert torch.equal(gens[1].get_state(), torch.Generator().manual_seed(3).get_state())
+    again = torch.empty(3, dtype=torch.float64).uniform_(generator=torch.Generator().manual_seed(4))
+    assert torch.equal(u[2:], again)
+
+
+def test_the_triton_path_gives_the_torch_paths_tokens(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 8, generator=g)
+    draft_probs = torch.softmax(torch.randn(4, 8, generator=g), -1)
+    x = torch.tensor([1, 5, 2, 2], dtype=torch.int32)
+    n, cu = flat([3, 1])
+
+    def call():
+        sm = metadata(temperature=torch.tensor([0.0, 1.0]),
+                      generators={0: torch.Generator().manual_seed(7), 1: torch.Generator().manual_seed(8)})
+        return vllm.rejection_sample(x, n, 3, cu, draft_probs, logits, torch.tensor([[6], [7]]), sm)
+
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
+    reference = call()
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    assert torch.equal(call(), reference)
+
+
+# ------------------------------------------------------------------------------------- the module
+
+
+class ArgmaxSampler:
+    """A stand-in for vLLM's Sampler: the bonus token is the argmax of the bonus logits."""
+
+    logprobs_mode = "raw_logprobs"
+
+    def __call__(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        assert predict_bonus_token and sampling_metadata.max_num_logprobs == -1
+        return vllm.SamplerOutput(sampled_token_ids=logits.argmax(-1, keepdim=True).int())
+
+
+def spec_metadata(drafts):
+    """Target rows first, then one bonus row per request."""
+    md = vllm.SpecDecodeMetadata.make_dummy(drafts, device="cpu")
+    T = md.draft_token_ids.shape[0]
+    md.target_logits_indices = torch.arange(T)
+    md.bonus_logits_indices = torch.arange(T, T + len(drafts))
+    return md
+
+
+def test_forward_samples_the_bonus_with_the_callers_sampler_and_parse_output_drops_placeholders():
+    drafts = [[1, 2], [3]]
+    logits = one_hot_logits([1, 2, 0, 4, 2])  # drafts rows, then bonus rows 4 and 2
+    sampler = vllm.RejectionSampler(ArgmaxSampler())
+    out = sampler(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids
+    assert out.tolist() == [[1, 2, 4], [0, -1, -1]]
+    tokens, logprobs = vllm.RejectionSampler.parse_output(out, V, discard_req_indices=[1])
+    assert tokens == [[1, 2, 4], []] and logprobs is None
+
+
+def test_forward_applies_top_k_per_request():
+    drafts = [[0], [0]]
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0, 0.0]] * 4)
+    sm = metadata(temperature=torch.ones(2), top_k=torch.tensor([1, 0]))
+    sampler = vllm.RejectionSampler(ArgmaxSampler())
+    for _ in range(20):
+        out = sampler(spec_metadata(drafts), None, logits.clone(), sm).sampled_token_ids
+        assert out[0].tolist() == [1, -1]  # top-1: token 0 is rejected, token 1 emitted
+
+
+def test_forward_applies_penalties_and_bad_words_per_draft_row():
+    drafts = [[3, 3], [2]]
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.5]] * 2 + [[0.0, 0.0, 2.0, 0.0, 0.0]] + [[0.0] * V] * 2)
+    sm = metadata(no_penalties=False, prompt_token_ids=torch.tensor([[V, V], [V, V]]),
+                  frequency_penalties=torch.tensor([1.0, 0.0]), presence_penalties=torch.zeros(2),
+                  repetition_penalties=torch.ones(2), output_token_ids=[[], []], spec_token_ids=drafts,
+                  bad_words_token_ids={1: [[2]]})
+    out = vllm.RejectionSampler(ArgmaxSampler())(spec_metadata(drafts), None, logits, sm).sampled_token_ids
+    # request 0: row 1 has seen a 3 (frequency 1: 2.0 -> 1.0 < 1.5); request 1: token 2 is banned
+    assert out.tolist() == [[3, 4, -1], [0, -1, -1]]
+
+
+# ------------------------------------------------------------------------------------- lossy modes
+
+
+class Config:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_synthetic_mode_accepts_at_the_configured_rates():
+    trials = 4000
+    sampler = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="synthetic",
+                                                            synthetic_acceptance_rates=[0.5, 0.25]))
+    assert sampler.synthetic_conditional_rates.tolist() == [0.5, 0.5]
+    drafts = [[1, 2]] * trials
+    logits = one_hot_logits([0, 0] * trials + [3] * trials)
+    out = sampler(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids
+    accepted = (out[:, :2] == torch.tensor([1, 2])).long().cumprod(1).sum(1).float()
+    assert abs(accepted.mean().item() - 0.75) < 0.05  # 0.5 + 0.25
+
+
+def test_fly_defers_an_uncertain_rejection_followed_by_accepted_drafts():
+    drafts = [[1, 2, 3]]
+    logits = one_hot_logits([0, 2, 3, 4])
+    logits[0] = torch.tensor([1.0, 0.9, -5.0, -5.0, -5.0])  # uncertain between 0 and 1
+    fly = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="fly", fly_window_size=2,
+                                                        fly_entropy_threshold=0.3))
+    assert fly(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids.tolist() == [[1, 2, 3, 4]]
+    standard = vllm.RejectionSampler(ArgmaxSampler())
+    assert standard(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids.tolist() == [[0, -1, -1, -1]]
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    x, logits, bonus = torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2, V), torch.tensor([[0]])
+    cases = [
+        (dict(num_draft_tokens=[3]), "num_draft_tokens"),
+        (dict(draft_token_ids=torch.tensor([1.0, 2.0])), "draft_token_ids"),
+        (dict(draft_probs=torch.zeros(2, V + 1)), "draft_probs"),
+        (dict(bonus_token_ids=torch.tensor([[0], [1]])), "bonus_token_ids"),
+        (dict(verify_method="tree"), "verify_method"),
+    ]
+    for change, name in cases:
+        kw = dict(draft_token_ids=x, num_draft_tokens=[2], max_spec_len=2, cu_num_draft_tokens=torch.tensor([2]),
+                  draft_probs=None, target_logits=logits, bonus_token_ids=bonus, sampling_metadata=metadata())
+        kw.update(change)
+        with pytest.raises(ValueError, match=f"rejection_sample: {name}"):
+            vllm.rejection_sample(**kw)
