@@ -1,5 +1,7 @@
 """specsampler.compat.vllm: vLLM v1's rejection sampler API on specsampler's verification."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -178,22 +180,52 @@ class ArgmaxSampler:
 
 
 def spec_metadata(drafts):
-    """Target rows first, then one bonus row per request."""
+    """vLLM's logits layout: each request's draft rows, then its bonus row."""
     md = vllm.SpecDecodeMetadata.make_dummy(drafts, device="cpu")
-    T = md.draft_token_ids.shape[0]
-    md.target_logits_indices = torch.arange(T)
-    md.bonus_logits_indices = torch.arange(T, T + len(drafts))
+    ends = np.cumsum([len(d) + 1 for d in drafts])
+    md.bonus_logits_indices = torch.tensor(ends - 1)
+    md.target_logits_indices = torch.tensor([i for d, e in zip(drafts, ends) for i in range(e - 1 - len(d), e - 1)],
+                                            dtype=torch.int64)
     return md
 
 
 def test_forward_samples_the_bonus_with_the_callers_sampler_and_parse_output_drops_placeholders():
     drafts = [[1, 2], [3]]
-    logits = one_hot_logits([1, 2, 0, 4, 2])  # drafts rows, then bonus rows 4 and 2
+    logits = one_hot_logits([1, 2, 4, 0, 2])  # request 0: drafts 1 2, bonus 4; request 1: draft 0, bonus 2
     sampler = vllm.RejectionSampler(ArgmaxSampler())
     out = sampler(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids
     assert out.tolist() == [[1, 2, 4], [0, -1, -1]]
     tokens, logprobs = vllm.RejectionSampler.parse_output(out, V, discard_req_indices=[1])
     assert tokens == [[1, 2, 4], []] and logprobs is None
+
+
+class LogprobSampler(ArgmaxSampler):
+    """Also vLLM's logprob interface: the bonus rows' logits come back as ``logprobs_tensors.logprobs``."""
+
+    def __call__(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        assert logprobs_mode_override == "raw_logits"
+        out = super().__call__(logits, sampling_metadata, predict_bonus_token)
+        return vllm.SamplerOutput(out.sampled_token_ids, logprobs_tensors=SimpleNamespace(logprobs=logits))
+
+    def compute_logprobs(self, logits):
+        return logits.log_softmax(-1)
+
+    def gather_logprobs(self, logprobs, num_logprobs, token_ids):
+        return logprobs.gather(1, token_ids[:, None])[:, 0]
+
+
+def test_forward_returns_the_logprob_of_each_output_slot():
+    drafts = [[1, 2], [3]]
+    logits = torch.randn(5, V)
+    logits[0, 1] = logits[1, 2] = 9.0  # request 0 accepts both drafts; request 1 rejects its draft
+    logits[3, 3] = -9.0
+    out = vllm.RejectionSampler(LogprobSampler())(spec_metadata(drafts), None, logits, metadata(max_num_logprobs=0))
+    tokens = out.sampled_token_ids
+    assert tokens[0, :2].tolist() == [1, 2] and tokens[1, 1:].tolist() == [-1, -1]
+    # each emitted token's logprob under the row it was emitted at (rows in vLLM's layout: 0 1 2 | 3 4)
+    expected = logits.log_softmax(-1)[[0, 1, 2, 3], tokens.flatten()[[0, 1, 2, 3]].long()]
+    got = out.logprobs_tensors.reshape(2, 3)
+    assert torch.allclose(got[0], expected[:3]) and torch.allclose(got[1, 0], expected[3])
 
 
 def test_forward_applies_top_k_per_request():
@@ -208,7 +240,7 @@ def test_forward_applies_top_k_per_request():
 
 def test_forward_applies_penalties_and_bad_words_per_draft_row():
     drafts = [[3, 3], [2]]
-    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.5]] * 2 + [[0.0, 0.0, 2.0, 0.0, 0.0]] + [[0.0] * V] * 2)
+    logits = torch.tensor([[0.0, 0.0, 0.0, 2.0, 1.5]] * 2 + [[0.0] * V] + [[0.0, 0.0, 2.0, 0.0, 0.0]] + [[0.0] * V])
     sm = metadata(no_penalties=False, prompt_token_ids=torch.tensor([[V, V], [V, V]]),
                   frequency_penalties=torch.tensor([1.0, 0.0]), presence_penalties=torch.zeros(2),
                   repetition_penalties=torch.ones(2), output_token_ids=[[], []], spec_token_ids=drafts,
@@ -232,7 +264,7 @@ def test_synthetic_mode_accepts_at_the_configured_rates():
                                                             synthetic_acceptance_rates=[0.5, 0.25]))
     assert sampler.synthetic_conditional_rates.tolist() == [0.5, 0.5]
     drafts = [[1, 2]] * trials
-    logits = one_hot_logits([0, 0] * trials + [3] * trials)
+    logits = one_hot_logits([0, 0, 3] * trials)
     out = sampler(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids
     accepted = (out[:, :2] == torch.tensor([1, 2])).long().cumprod(1).sum(1).float()
     assert abs(accepted.mean().item() - 0.75) < 0.05  # 0.5 + 0.25

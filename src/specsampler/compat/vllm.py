@@ -189,6 +189,10 @@ def _replace(obj: Any, **changes: Any) -> Any:
 class RejectionSampler(nn.Module):
     """vLLM's ``RejectionSampler``: target logits in, accepted + recovered + bonus tokens out.
 
+    Processes the target logits as vLLM does (penalties, allowed-token masks, bad words,
+    min-tokens processors, then temperature / top-k / top-p) and verifies with
+    :func:`rejection_sample` (:func:`specsampler.verify_chain_from_logits`).
+
     Args:
         sampler: vLLM's ``Sampler`` (or anything with its call signature and ``logprobs_mode``);
             it samples the bonus tokens, and computes logprobs when they are asked for.
@@ -228,8 +232,8 @@ class RejectionSampler(nn.Module):
             metadata: ``SpecDecodeMetadata`` (vLLM's or :class:`SpecDecodeMetadata`).
             draft_probs: float ``[T, V]``: the distribution each draft was drawn from; None for
                 deterministic drafts (n-gram).
-            logits: float ``[T + B, V]``: the target's logits; rows ``metadata.target_logits_indices``
-                are the draft positions, rows ``metadata.bonus_logits_indices`` the bonus positions.
+            logits: float ``[T + B, V]``: the target's logits, per request its draft positions then its
+                bonus position (rows ``metadata.target_logits_indices`` and ``metadata.bonus_logits_indices``).
             sampling_metadata: ``SamplingMetadata`` (vLLM's or :class:`SamplingMetadata`).
         Returns:
             ``SamplerOutput`` with ``sampled_token_ids`` int32 ``[B, max_spec_len + 1]`` (``-1``
