@@ -563,7 +563,7 @@ def rejection_sample(
         method, params = "greedy", None
     else:
         method = "target_only" if q is None else ("block" if verify_method == "block" and K >= 3 else "token")
-        params = SamplingParams(temperature=torch.where(greedy, 0.0, 1.0)) if bool(greedy.any()) else None
+        params = None if sampling_metadata.all_random else SamplingParams(temperature=torch.where(greedy, 0.0, 1.0))
     rng = Philox(_request_seeds(num_draft_tokens, sampling_metadata.generators, dev))
     res = verify_chain_from_logits(logits, x, params, draft_probs=q, num_drafts=n, method=method, rng=rng)
     # The bonus position holds the caller's bonus token, not the one drawn from the padding row.
