@@ -82,6 +82,8 @@ def first_request(bad: Tensor) -> int | None:
     """Index of the first request (dim 0) in which ``bad`` is True anywhere, or None."""
     if bad.numel() == 0:
         return None
+    if bad.dim() == 0:  # one value for every request: the first is the first offending
+        return 0 if bool(bad) else None
     per_request = bad.reshape(bad.shape[0], -1).any(dim=1) if bad.dim() > 1 else bad
     idx = torch.nonzero(per_request)
     return int(idx[0, 0]) if idx.numel() else None
@@ -89,6 +91,10 @@ def first_request(bad: Tensor) -> int | None:
 
 def check_no_bad(op: str, name: str, bad: Tensor, values: Tensor, expected: str) -> None:
     """Fail on the first True of ``bad`` (same shape as ``values``), quoting the offending value."""
+    if bad.dim() == 0:  # a 0-d value (e.g. a parameter given as a scalar tensor) serves every request
+        if bool(bad):
+            fail(op, name, expected, values.item())
+        return
     b = first_request(bad)
     if b is None:
         return
