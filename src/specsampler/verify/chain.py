@@ -139,7 +139,8 @@ def _block_terms(c: _Chain, target: Processed, p_x: Tensor) -> tuple[Tensor, Ten
     w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
     s = row_sum(w)
     pos = torch.arange(K + 1, device=dev)
-    h = torch.nn.functional.pad(torch.where(s > 0, s / (s + 1 - a[:, :K]), 0.0), (0, 1))
+    # a_i = 0 (draft x_{i-1} never accepted) keeps h_i = 0 even where bad values (q < 0) give w_i mass
+    h = torch.nn.functional.pad(torch.where((s > 0) & (a[:, :K] > 0), s / (s + 1 - a[:, :K]), 0.0), (0, 1))
     h = torch.where(pos == c.num_drafts[:, None], a, torch.where(pos > c.num_drafts[:, None], 0.0, h))
     h[:, 0] = 1.0
     return a, p, w, h
@@ -186,7 +187,7 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
         stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
         if K:
             rejected = n < c.num_drafts
-            q_rows = c.q.reshape(B * K, -1).index_select(0, batch * K + n.clamp(max=K - 1))
+            q_rows = c.q.reshape(B * K, c.V).index_select(0, batch * K + n.clamp(max=K - 1))
             stop.sub_(q_rows.mul_(rejected[:, None])).clamp_(min=0.0)
             empty = rejected & ~(stop.sum(-1) > 0)
             if bool(empty.any()):  # a residual without mass: draw from p itself
