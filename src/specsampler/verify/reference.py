@@ -55,7 +55,7 @@ def chain_block(p: Tensor, q: Tensor, x: list[int], eta: Tensor, u_draw: Tensor)
         w.append((a[i] * p[i] - q[i]).clamp(min=0.0))
         s = row_sum(w[i][None])[0]
         if i > 0:
-            h.append(torch.where(s > 0, s / (s + 1 - a[i]), 0.0))
+            h.append(torch.where((s > 0) & (a[i] > 0), s / (s + 1 - a[i]), 0.0))  # a_i = 0 stays unaccepted
     h.append(a[K])
     if K == 0:
         h = h[:1]
@@ -167,7 +167,7 @@ def tree_traversal(p, q, x, kids, eta, u_draw, without_replacement: bool) -> tup
         mass = row_sum(w[None])[0]
         if mass > 0:
             mb[j] = w / mass
-        a[j] = torch.where(mass > 0, mass / (mass + 1 - a[j]), 0.0)
+        a[j] = torch.where((mass > 0) & (a[j] > 0), mass / (mass + 1 - a[j]), 0.0)  # a = 0 stays 0
         if without_replacement:
             qq = qq.clone()
             qq[xs[leaf]] = 0.0

@@ -317,7 +317,9 @@ def _walk_traversal(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor
         w = (a[b, j, None] * mb[b, j] - q).clamp_(min=0.0)
         mass = row_sum(w)
         mb[b, j] = torch.where(mass[:, None] > 0, w / mass.clamp(min=1e-30)[:, None], mb[b, j])
-        a[b, j] = torch.where(mass > 0, mass / (mass + 1 - a[b, j]), 0.0)
+        # a = 0 (a node never accepted: its token out of range, or p(x) = 0) stays 0, even where bad
+        # values (q < 0) give w mass: else such a node could be accepted once its children are deleted
+        a[b, j] = torch.where((mass > 0) & (a[b, j] > 0), mass / (mass + 1 - a[b, j]), 0.0)
         if wo:
             q = q.scatter(1, c.x[b, leaf][:, None], 0.0)
             ms[b, j] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
