@@ -1,0 +1,97 @@
+"""Regression tests for what the fuzz suite found, each named after the behaviour it restores, on both
+back ends where the op has a kernel (the kernels in the Triton interpreter on CPU tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fuzzkit import BACKENDS, bounds_checked, use_backend
+
+import specsampler as ss
+
+B = 64  # requests: with these seeds every case below hits its bad branch in many of them
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    with use_backend(request.param), bounds_checked(request.param == "triton"):
+        yield request.param
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ss.SamplingParams(temperature=torch.tensor(-1.0)),
+    lambda: ss.SamplingParams(top_p=torch.tensor(0.0)),
+    lambda: ss.SamplingParams(min_p=torch.tensor(float("nan"))),
+])
+def test_a_scalar_tensor_parameter_with_a_bad_value_is_rejected(make):
+    # 0-d tensors skipped the value check (first_request found no request in them) and sampled with temperature -1
+    with pytest.raises(ss.ValidationError, match=r"sample_from_logits: SamplingParams\.\w+: expected .*, got"):
+        ss.sample_from_logits(torch.randn(2, 5), make())
+
+
+def test_a_scalar_tensor_filter_with_a_bad_value_is_rejected():
+    with pytest.raises(ss.ValidationError, match="top_p_renorm: SamplingParams.top_p: expected a value in"):
+        ss.top_p_renorm(torch.rand(2, 5), torch.tensor(float("nan")))
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_token_verification_of_an_empty_batch_returns_empty_results(backend, from_logits):
+    # B = 0 crashed reshaping the draft rows with -1
+    target, drafts, q = torch.rand(0, 3, 5), torch.zeros(0, 2, dtype=torch.int64), torch.rand(0, 2, 5)
+    verify = ss.verify_chain_from_logits if from_logits else ss.verify_chain
+    res = verify(target, drafts, draft_probs=q, method="token") if from_logits else verify(target, drafts, q,
+                                                                                            method="token")
+    assert res.tokens.shape == (0, 3) and res.num_accepted.shape == (0,)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_block_verification_never_emits_an_out_of_range_draft_whatever_the_draft_probs(backend, from_logits):
+    # Negative draft probabilities gave the weights w_i mass after a draft that can never be accepted (a_i = 0):
+    # h_i > 0 let tau pass it, and the out-of-range draft 7 (V = 3) was emitted
+    V = 3
+    target = torch.full((B, 3, V), 1 / V)
+    q = torch.full((B, 2, V), -0.5)
+    drafts = torch.tensor([[7, 1]] * B)
+    rng = ss.Philox(torch.arange(B))
+    if from_logits:
+        res = ss.verify_chain_from_logits(target.log(), drafts, draft_probs=q, method="block", rng=rng)
+    else:
+        res = ss.verify_chain(target, drafts, q, method="block", rng=rng)
+    assert bool((res.num_accepted == 0).all())
+    assert bool(((res.tokens[:, 0] >= 0) & (res.tokens[:, 0] < V)).all()) and bool((res.tokens[:, 1:] == -1).all())
+
+
+def _traversal_case():
+    """Root -> node 1 (token 4, outside V = 3: never acceptable) -> node 2 (token 1); q = -0.5 everywhere.
+    Deleting node 2 gave node 1 w = max(0 * Mb - q, 0) with mass, so a(1) = 0.6 and node 1 was accepted."""
+    V = 3
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 1]] * B))
+    target = torch.full((B, 3, V), 1 / V)
+    q = torch.full((B, 3, V), -0.5)
+    drafts = torch.tensor([[0, 4, 1]] * B)
+    return V, tree, target, q, drafts
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+@pytest.mark.parametrize("draft_sampling", ["iid", "without_replacement"])
+def test_traversal_never_accepts_an_out_of_range_draft_whatever_the_draft_probs(backend, from_logits, draft_sampling):
+    V, tree, target, q, drafts = _traversal_case()
+    rng = ss.Philox(torch.arange(B))
+    kw = dict(method="traversal", draft_sampling=draft_sampling, rng=rng)
+    if from_logits:
+        res = ss.verify_tree_from_logits(target.log(), drafts, tree, draft_probs=q, **kw)
+    else:
+        res = ss.verify_tree(target, drafts, tree, q, **kw)
+    assert bool((res.num_accepted == 0).all()), f"accepted node 1 (token 4 >= V) in {int(res.num_accepted.sum())}"
+    assert bool(((res.tokens[:, 0] >= 0) & (res.tokens[:, 0] < V)).all())
+
+
+@pytest.mark.parametrize("draft_sampling", ["iid", "without_replacement"])
+def test_traversal_accepts_nothing_under_a_zero_weight_whatever_the_draft_probs(backend, draft_sampling):
+    # the same walk with an in-range token of target probability 0 at node 1: a(1) = 0 must stay 0
+    V, tree, target, q, drafts = _traversal_case()
+    drafts = torch.tensor([[0, 2, 1]] * B)
+    target[:, 0, 2] = 0.0
+    res = ss.verify_tree(target, drafts, tree, q, method="traversal", draft_sampling=draft_sampling,
+                         rng=ss.Philox(torch.arange(B)))
+    assert bool((res.num_accepted == 0).all())
