@@ -69,11 +69,16 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
     j = torch.arange(J, device=path.device)
     valid = (j <= num_accepted[:, None].long()) & (path >= 0)
     src = cache_lens[:, None].long() + path.long().clamp(min=0)
-    if tensors and values_checkable(src, full):
-        S = tensors[0].shape[seq_dim]
-        check_no_bad(op, "cache_lens + path", valid & (src >= S), src, f"positions inside the cache (< S = {S})")
+    dst = cache_lens[:, None].long() + j
+    if tensors:
+        S = min(t.shape[seq_dim] for t in tensors)
+        for name, pos in (("cache_lens + path", src), ("cache_lens + j", dst)):
+            outside = valid & ((pos < 0) | (pos >= S))
+            if values_checkable(pos, full):
+                check_no_bad(op, name, outside, pos, f"positions inside the cache (< S = {S}) and not negative")
+            valid = valid & ~outside  # where values go unchecked (a device, no sync), such a move is dropped
     b = torch.arange(B, device=path.device)[:, None].expand(B, J)[valid]
-    src, dst = src[valid], (cache_lens[:, None].long() + j)[valid]
+    src, dst = src[valid], dst[valid]
     for t in tensors:
         seq_first = t.movedim(seq_dim, 1)  # a view: writes land in t
         seq_first[b, dst] = seq_first[b, src]
