@@ -74,7 +74,7 @@ def fuzz(name: str, backend: str, strategy: st.SearchStrategy, body: Callable, *
         with use_backend(backend), hard_limit(HARD_LIMIT_S[backend]), bounds_checked(backend == "triton"):
             body(case)
 
-    run.__name__ = run.__qualname__ = f"{name}_{backend}"  # its own derandomized seed
+    run.__name__ = run.__qualname__ = re.sub(r"\W", "_", f"{name}_{backend}")  # its own derandomized seed
     test = settings(PROFILE, max_examples=examples(*n, backend), deadline=DEADLINE_MS[backend])(given(strategy)(run))
     test()
 

@@ -95,3 +95,21 @@ def test_traversal_accepts_nothing_under_a_zero_weight_whatever_the_draft_probs(
     res = ss.verify_tree(target, drafts, tree, q, method="traversal", draft_sampling=draft_sampling,
                          rng=ss.Philox(torch.arange(B)))
     assert bool((res.num_accepted == 0).all())
+
+
+def test_compact_kv_rejects_a_negative_cache_position():
+    # cache_lens + path < 0 indexed from the end of the cache (or raised an IndexError on an empty one)
+    cache = torch.randn(1, 2, 6, 3)
+    before = cache.clone()
+    with pytest.raises(ss.ValidationError, match=r"compact_kv: cache_lens \+ path: expected positions inside the "
+                                                  r"cache \(< S = 6\) and not negative, got -3"):
+        ss.compact_kv(cache, torch.tensor([-3]), torch.tensor([[0, 1]]), torch.tensor([1]))
+    assert torch.equal(cache, before)
+
+
+def test_compact_kv_rejects_a_destination_past_the_cache():
+    # a path that steps back (node 0 twice) keeps its sources inside while cache_lens + j runs past the end:
+    # an IndexError before
+    cache = torch.randn(1, 2, 4, 3)
+    with pytest.raises(ss.ValidationError, match=r"compact_kv: cache_lens \+ j: expected positions inside"):
+        ss.compact_kv(cache, torch.tensor([3]), torch.tensor([[0, 0]]), torch.tensor([1]))
