@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import use_triton
-from ..params import SamplingParams
+from ..params import RowParams, SamplingParams
 from ..sampling.processing import Processed, process, row_sum, sample_by_inversion
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from ..sampling.ops import logit_inputs, logit_rows
@@ -166,11 +166,14 @@ def _block_expected(h: Tensor) -> Tensor:
     return (p_tau * torch.arange(h.shape[1], device=h.device)).sum(1)
 
 
-def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rng, op: str) -> ChainResult:
-    """Run method ``c.method`` on the target distributions (rows ``b * (K+1) + i``)."""
+def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rng, op: str,
+            draw: Callable[[int, int], Tensor] | None = None) -> ChainResult:
+    """Run method ``c.method`` on the target distributions (rows ``b * (K+1) + i``). ``draw(stream,
+    count)``: the uniforms ``[B, count]`` of a stream (default: drawn from ``rng``)."""
     B, K, dev = c.B, c.K, c.x.device
     batch = torch.arange(B, device=dev)
-    u_draw = uniform(rng, op, B, K + 1, STREAM_SAMPLE, dev)
+    draw = draw or (lambda stream, count: uniform(rng, op, B, count, stream, dev))
+    u_draw = draw(STREAM_SAMPLE, K + 1)
     if c.method == "greedy":
         n = _leading_run((greedy_draws[:, :K] == c.x) & c.usable)
         return _result(c, n, greedy_draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, None, n))
@@ -181,7 +184,7 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, target, n))
     q_x = c.q.gather(2, c.x[..., None])[..., 0]
     if c.method == "token":
-        u = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)[:, 1:]  # draft i is node i+1 of the chain
+        u = draw(STREAM_ACCEPT, K + 1)[:, 1:]  # draft i is node i+1 of the chain
         n = _leading_run((u * q_x < p_x) & c.usable)
         stop_rows = batch * (K + 1) + n
         stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
@@ -197,7 +200,7 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
     # block
     a, p, w, h = _block_terms(c, target, p_x)
     pos = torch.arange(K + 1, device=dev)
-    eta = uniform(rng, op, B, K + 1, STREAM_ACCEPT, dev)
+    eta = draw(STREAM_ACCEPT, K + 1)
     take = (eta < h) | (pos == 0)
     tau = torch.where(take, pos, 0).amax(1)
     bonus = p[batch, tau]
@@ -353,3 +356,28 @@ def verify_chain_from_logits(
     if c.method == "greedy":
         return _verify(c, None, x.argmax(-1).view(c.B, c.K + 1), rng, op)
     return _verify(c, process(x, rp, logits=True), None, rng, op)
+
+
+# ------------------------------------------------------------------- inputs a caller built (speculative_generate)
+
+
+def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, num_drafts: Tensor,
+                           usable: Tensor, method: str, params: SamplingParams | None, rp: RowParams, rng,
+                           draw: Callable[[int, int], Tensor]) -> ChainResult:
+    """:func:`verify_chain_from_logits` without its checks, for inputs the caller built and knows valid.
+
+    logits: float32 ``[B, K+1, V]``; drafts: int64 ``[B, K]`` in ``[0, V)``; draft_probs:
+    float32 ``[B, K, V]`` (token, block) or None; num_drafts: int64 ``[B]``; usable: bool
+    ``[B, K]``, position < num_drafts; method: a resolved method; rp: the parameters of the
+    ``B * (K+1)`` rows; ``draw(stream, count)``: the uniforms the public op would draw from
+    ``rng`` (kernels draw from ``rng`` themselves). The same tokens as the public op.
+    """
+    B, K1, V = logits.shape
+    c = _Chain(B, K1 - 1, V, method, drafts, drafts, usable, num_drafts, draft_probs)
+    op = "speculative_generate"
+    if use_triton(logits.device):
+        return _verify_from_logits_kernel(c, logits, params, None, False, rng, op)
+    x = logits.view(-1, V)
+    if method == "greedy":
+        return _verify(c, None, x.argmax(-1).view(B, K1), rng, op, draw)
+    return _verify(c, process(x, rp, logits=True), None, rng, op, draw)

@@ -10,6 +10,7 @@ processed). Plain loop per request: :mod:`specsampler.verify.reference`; kernel:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -193,10 +194,15 @@ def _walk_start(c: _Tree) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return path, zeros(), zeros(), torch.arange(B, device=dev)
 
 
-def _walk_draws(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
+def _drawer(c: _Tree, rng, op: str, draw: Callable[[int, int], Tensor] | None) -> Callable[[int, int], Tensor]:
+    """``draw(stream, count)``: the uniforms ``[B, count]`` of a stream, from ``rng`` unless given."""
+    return draw or (lambda stream, count: uniform(rng, op, c.B, count, stream, c.x.device))
+
+
+def _walk_draws(c: _Tree, rows: _Rows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """greedy / target_only: draw at the current node, move to the child carrying the draw."""
-    B, D, dev = c.B, c.tree.max_depth, c.x.device
-    u = None if c.method == "greedy" else uniform(rng, op, B, c.N, STREAM_SAMPLE, dev)
+    B, D = c.B, c.tree.max_depth
+    u = None if c.method == "greedy" else _drawer(c, rng, op, draw)(STREAM_SAMPLE, c.N)
     children = _ChildIndex(c)
     path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
@@ -212,11 +218,12 @@ def _walk_draws(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Te
     return path[:, : D + 1], n, y_out
 
 
-def _walk_rrs(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
+def _walk_rrs(c: _Tree, rows: _Rows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """Recursive rejection sampling down the tree."""
-    B, D, dev, t = c.B, c.tree.max_depth, c.x.device, c.tree
-    u_accept = uniform(rng, op, B, c.N, STREAM_ACCEPT, dev)
-    u_draw = uniform(rng, op, B, c.N, STREAM_SAMPLE, dev)
+    D, t = c.tree.max_depth, c.tree
+    draw = _drawer(c, rng, op, draw)
+    u_accept = draw(STREAM_ACCEPT, c.N)
+    u_draw = draw(STREAM_SAMPLE, c.N)
     path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
         v = path[walking, d]
@@ -256,12 +263,13 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(num > 0, torch.where(num >= den, 1.0, num / den.clamp(min=1e-30)), 0.0)
 
 
-def _walk_traversal(c: _Tree, rows: _Rows, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
+def _walk_traversal(c: _Tree, rows: _Rows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """Traversal verification: leaves tested in depth-first order, parents updated on deletion."""
     B, D, N, V, dev, t = c.B, c.tree.max_depth, c.N, c.V, c.x.device, c.tree
     wo = c.sampling == "without_replacement"
-    eta = uniform(rng, op, B, N, STREAM_ACCEPT, dev)
-    u_draw = uniform(rng, op, B, N, STREAM_SAMPLE, dev)
+    draw = _drawer(c, rng, op, draw)
+    eta = draw(STREAM_ACCEPT, N)
+    u_draw = draw(STREAM_SAMPLE, N)
     stack = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # the current leftmost path
     top = torch.zeros(B, dtype=torch.int64, device=dev)  # its last slot
     mb = torch.zeros(B, D + 1, V, device=dev)
@@ -492,3 +500,46 @@ def verify_tree_from_logits(
         p_edge[b, node] = rows.at(pb, pv).select(slot[b, tree.parents[b, node]]).prob(c.x[b, node])
         expected = _expected_target_only(c, p_edge)
     return _finish(c, path, n, y, expected)
+
+
+# ------------------------------------------------------------------- inputs a caller built (speculative_generate)
+
+
+class _AllRows(_Rows):
+    """Every (request, node) row processed in one pass (``proc``, None for greedy): for small
+    problems, where one pass costs less than one per step of a walk. By the processing's batch
+    invariance, a row reads the same as when processed with the visited rows alone."""
+
+    def __init__(self, logits: Tensor, proc: Processed | None):
+        super().__init__(logits=logits)
+        self.proc = proc
+
+    def at(self, b: Tensor, node: Tensor) -> Processed:
+        return self.proc.select(self._flat(b, node))
+
+    def argmax(self, b: Tensor, node: Tensor) -> Tensor:
+        return self._rows(self.logits, self._flat(b, node)).argmax(-1)
+
+
+def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Tensor | None, usable: Tensor,
+                          method: str, draft_sampling: str, params: SamplingParams | None, rp: RowParams, rng,
+                          draw: Callable[[int, int], Tensor]) -> TreeResult:
+    """:func:`verify_tree_from_logits` without its checks, for inputs the caller built and knows valid.
+
+    logits: float32 ``[B, N, V]``; drafts: int64 ``[B, N]`` in ``[0, V)``; tree: a
+    :class:`TokenTree`, or any object with its ``parents``, ``first_child``, ``next_sibling``,
+    ``depth``, ``sibling_rank`` (int64 ``[B, N]``, contiguous) and ``max_depth`` (an int, at
+    least the deepest present node's depth); draft_probs: float32 ``[B, N, V]`` (rrs,
+    traversal) or None; usable: bool ``[B, N]``, the present non-root nodes; method: a
+    resolved method; rp: the parameters of the ``B * N`` rows; ``draw(stream, count)``: the
+    uniforms the public op would draw from ``rng`` (kernels draw from ``rng`` themselves).
+    Every row is processed at once (:class:`_AllRows`). The same tokens as the public op.
+    """
+    B, N, V = logits.shape
+    c = _Tree(B, N, V, method, draft_sampling, tree, drafts, drafts, usable, draft_probs)
+    if use_triton(logits.device):
+        path, n, y = _walk_kernel(c, logits, rng, "speculative_generate", rp, None)
+    else:
+        proc = None if method == "greedy" else process(logits.view(-1, V), rp, logits=True)
+        path, n, y = _WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw)
+    return _finish(c, path, n, y, n.float() if method == "greedy" else None)
