@@ -203,6 +203,8 @@ def _walk_draws(c: _Tree, rows: _Rows, rng, op: str, draw=None) -> tuple[Tensor,
     """greedy / target_only: draw at the current node, move to the child carrying the draw."""
     B, D = c.B, c.tree.max_depth
     u = None if c.method == "greedy" else _drawer(c, rng, op, draw)(STREAM_SAMPLE, c.N)
+    if u is None and isinstance(rng, Philox):  # greedy draws nothing; a Philox of another batch is still a mistake
+        rng.keys(op, B, c.x.device)
     children = _ChildIndex(c)
     path, n, y_out, walking = _walk_start(c)
     for d in range(D + 1):
