@@ -113,3 +113,13 @@ def test_compact_kv_rejects_a_destination_past_the_cache():
     cache = torch.randn(1, 2, 4, 3)
     with pytest.raises(ss.ValidationError, match=r"compact_kv: cache_lens \+ j: expected positions inside"):
         ss.compact_kv(cache, torch.tensor([3]), torch.tensor([[0, 0]]), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_greedy_tree_verification_rejects_a_philox_of_another_batch(backend, from_logits):
+    # greedy draws no uniforms, so the PyTorch walk never looked at the seeds (the kernel path did)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0]] * 2))
+    verify = ss.verify_tree_from_logits if from_logits else ss.verify_tree
+    with pytest.raises(ss.ValidationError, match=r"Philox.seed: expected shape \[B\] = \[2\], got \[3\]"):
+        verify(torch.rand(2, 2, 5), torch.zeros(2, 2, dtype=torch.int64), tree, method="greedy",
+               rng=ss.Philox(torch.zeros(3, dtype=torch.int64)))
