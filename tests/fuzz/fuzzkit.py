@@ -381,9 +381,10 @@ def make_logits(v: Values, shape: tuple[int, ...]) -> torch.Tensor:
 
 def bad_probs(p: torch.Tensor, live: torch.Tensor | None = None) -> bool:
     """Whether validate="full" must reject probabilities ``p``: a non-finite or negative entry, or a row
-    without mass, among the rows where ``live`` (``p.shape[:-1]``) is True."""
+    without mass or whose sum overflows float32, among the rows where ``live`` (``p.shape[:-1]``) is True."""
     x = p.float()
-    rows = (~torch.isfinite(x) | (x < 0)).any(-1) | ~(x.sum(-1) > 0)
+    sums = x.sum(-1)
+    rows = (~torch.isfinite(x) | (x < 0)).any(-1) | ~(sums > 0) | ~torch.isfinite(sums)
     return bool((rows if live is None else rows & live).any())
 
 

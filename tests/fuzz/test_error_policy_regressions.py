@@ -123,3 +123,16 @@ def test_greedy_tree_verification_rejects_a_philox_of_another_batch(backend, fro
     with pytest.raises(ss.ValidationError, match=r"Philox.seed: expected shape \[B\] = \[2\], got \[3\]"):
         verify(torch.rand(2, 2, 5), torch.zeros(2, 2, dtype=torch.int64), tree, method="greedy",
                rng=ss.Philox(torch.zeros(3, dtype=torch.int64)))
+
+
+def test_full_validation_rejects_probabilities_whose_sum_overflows():
+    # finite values summing past float32's largest: every normalisation made the row 0 (the MLC sampler's next
+    # filter then rejected its own input, an all-zero row, naming none of the caller's arguments)
+    big = torch.finfo(torch.float32).max
+    probs = torch.tensor([[big, big, 0.0], [0.2, 0.3, 0.5]])
+    with pytest.raises(ss.ValidationError, match=r"top_k_renorm: probs \(row sum\): expected each distribution to "
+                                                  r"have a positive sum \(finite in float32\), got inf \(request 0\)"):
+        ss.top_k_renorm(probs, 2, validate="full")
+    sampler = ss.mlc.Sampler.create_cpu_sampler()
+    with pytest.raises(ss.ValidationError, match=r"probs \(row sum\)"):
+        sampler.batch_renormalize_probs_by_top_p(probs, [0], ["r"], [ss.mlc.GenerationConfig()], validate="full")

@@ -111,7 +111,8 @@ def test_mlc_batch_spec_verify_gives_a_clear_error_or_node_pointers_in_range(bac
             for links in (fc, ns):
                 linked[links[(links >= 0) & (links < num_nodes)].long()] = True
             t = tokens.long()
-            bad_values = (bool((((t < 0) | (t >= V)) & linked).any()) or bad_probs(draft, linked)
+            bad_values = (bool((((t < 0) | (t >= V)) & linked).any())  # MLC's rule: finite values >= 0 (any sum)
+                          or bool(((~torch.isfinite(draft) | (draft < 0)) & linked[:, None]).any())
                           or bool((~torch.isfinite(model) | (model < 0)).any())
                           or bool((linked & ~((u >= 0) & (u <= 1))).any()))
         out = call_contract(lambda: mlc.batch_spec_verify(draft, tokens, model, fc, ns, u, ptr, validate=case.validate),
