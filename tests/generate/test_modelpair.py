@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache, LlamaForCausalLM  # noqa: E402
 
+from specsampler.generate.cache import cache_argument  # noqa: E402
 from specsampler.generate.modelpair import PAIR_DIR, ByteTokenizer, load_pair, train_pair  # noqa: E402
 
 # Python source the models never saw (written for this test), each shorter than the models' context.
@@ -134,10 +135,10 @@ def test_models_verify_two_branches_at_once_with_a_dynamic_cache_and_a_4d_mask(p
     positions = torch.arange(64, 80).repeat(2)[None]
     for model in pair[:2]:
         with torch.no_grad():
-            cache = DynamicCache()
-            model(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
-            both = model(input_ids=torch.tensor([branches[0] + branches[1]]), past_key_values=cache,
-                         position_ids=positions, attention_mask=mask).logits[0]
+            cache = {cache_argument(model): DynamicCache()}  # `cache` in transformers 5, before `past_key_values`
+            model(input_ids=torch.tensor([prefix]), use_cache=True, **cache)
+            both = model(input_ids=torch.tensor([branches[0] + branches[1]]), position_ids=positions,
+                         attention_mask=mask, **cache).logits[0]
             for i, branch in enumerate(branches):
                 alone = model(input_ids=torch.tensor([prefix + branch])).logits[0, 64:]
                 torch.testing.assert_close(both[16 * i: 16 * i + 16], alone, atol=1e-4, rtol=1e-4)

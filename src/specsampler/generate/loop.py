@@ -1,17 +1,25 @@
 """End-to-end speculative generation with Hugging Face causal LMs.
 
-A step: the draft proposes a chain or a tree of tokens after the last committed token (the
-*root*), the target scores every node in one forward pass with a tree attention mask, the
-verifier (:func:`verify_chain_from_logits` / :func:`verify_tree_from_logits`) accepts a path
-and one more token, and both models keep the KV entries of the accepted path (moved in place
-by :func:`compact_kv`, the rest cropped). Output tokens are distributed exactly as the target
-would sample them with ``params`` (greedy at temperature 0).
+A step: a drafter proposes a chain or a tree of tokens after the last committed token (the
+*root*): a draft model (:class:`~specsampler.generate.drafters.ModelDrafter`) or prompt lookup
+(``drafter="ngram"``, no draft model); the target scores every node in one forward pass with a
+tree attention mask, the verifier accepts a path and one more token, and the models keep the KV
+entries of the accepted path (moved in place, the rest cropped). Output tokens are distributed
+exactly as the target would sample them with ``params`` (greedy at temperature 0).
+
+The loop works on what it built itself: the tree layout of a shape is prepared once
+(:mod:`.layout`), the random draws of many steps are computed at once (:mod:`.draws`), and the
+verifiers are entered past their input checks, every tree row processed in one pass
+(``_verify_chain_prepared`` / ``_verify_tree_prepared``). It gives the tokens the public ops
+(:func:`verify_chain_from_logits`, :func:`verify_tree_from_logits`, :func:`sample`) give on the
+same random streams (tested), with one host read per step (the accepted counts, which the cache
+and the output need). Where the Triton kernels run, drafting, sampling and verification call them.
 
 Models: anything called as a transformers causal LM, ``model(input_ids=[B, n],
 attention_mask=float [B, 1, n, S + n] (0 = visible, dtype min = hidden), position_ids=[B, n],
-past_key_values=DynamicCache, use_cache=True).logits -> [B, n, V]``: Llama, Mistral, Qwen,
-GPT-NeoX and other full-attention models that take a custom 4-D mask. Sliding-window and
-recurrent layers are not supported.
+cache (past_key_values before transformers 5)=DynamicCache, use_cache=True).logits -> [B, n, V]``:
+Llama, Mistral, Qwen, GPT-NeoX and other full-attention models that take a custom 4-D mask.
+Sliding-window and recurrent layers are not supported.
 
 Batches: each request keeps its own positions; cache slots that hold no committed token of a
 request (left padding, rejected nodes beyond the shortest path of the batch) stay in the
@@ -29,19 +37,25 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..verify.chain import verify_chain_from_logits
-from ..verify.kv import compact_kv
+from ..kernels import use_triton
 from ..params import SamplingParams
-from ..rng import Philox
-from ..sampling.ops import logits_to_probs, sample, sample_from_logits
-from ..verify.token_tree import TokenTree
-from ..verify.tree import verify_tree_from_logits
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox
+from ..sampling.ops import sample_from_logits
+from ..sampling.processing import process
 from ..validation import check_tensor, fail
+from ..verify.chain import _verify_chain_prepared
+from ..verify.tree import _verify_tree_prepared
+from .cache import ModelCache
+from .drafters import ModelDrafter, NgramDrafter, RowsOf, draft_plan
+from .draws import Call, Streams
+from .layout import tree_layout
 
-DRAFTERS = ("chain", "tree")
+DRAFTERS = ("chain", "tree", "ngram")
 DRAFT_SAMPLINGS = ("iid", "without_replacement", "deterministic")
 CHAIN_METHODS = ("token", "block", "target_only", "greedy")
 TREE_METHODS = ("rrs", "traversal", "target_only", "greedy")
+NGRAM_METHODS = ("target_only", "greedy")
+OP = "speculative_generate"
 
 
 @dataclass
@@ -87,188 +101,7 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-# ------------------------------------------------------------------------------ model state
-
-
-class _KV:
-    """One model's KV cache over the batch: its slots, and which slots hold committed tokens."""
-
-    def __init__(self, model, batch: int, device: torch.device):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.cache = DynamicCache()
-        self.committed = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        self.calls = 0
-
-    @property
-    def slots(self) -> int:
-        return self.committed.shape[1]
-
-    def forward(self, tokens: Tensor, positions: Tensor, visible: Tensor, committed: Tensor | None = None) -> Tensor:
-        """Run the model on ``tokens`` int64 ``[B, n]`` at ``positions`` ``[B, n]``; ``visible``
-        bool ``[B, n, S + n]``: which slots (old and new) each new token attends to. The new
-        slots count as committed where ``committed`` (bool ``[B, n]``) says so.
-        Returns float32 logits ``[B, n, V]``."""
-        B, n = tokens.shape
-        dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=tokens.device)
-        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                         use_cache=True)
-        self.calls += 1
-        new = committed if committed is not None else torch.zeros(B, n, dtype=torch.bool, device=tokens.device)
-        self.committed = torch.cat([self.committed, new], 1)
-        return out.logits.float()
-
-    def keep_path(self, start: int, path: Tensor, num: Tensor) -> None:
-        """Keep the slots ``start + path[b, j]``, j <= ``num[b]``, as committed slots ``start + j``
-        (:func:`compact_kv`); drop every slot after the longest kept path of the batch."""
-        B = path.shape[0]
-        compact_kv(self.cache, torch.full((B,), start, device=path.device), path, num)
-        width = int(num.max()) + 1
-        kept = torch.arange(width, device=path.device) <= num[:, None]
-        self.committed = torch.cat([self.committed[:, :start], kept], 1)
-        extra = self.cache.get_seq_length() - self.slots
-        if extra > 0:
-            self.cache.crop(-extra)  # a negative count removes tokens (transformers 4.x and 5.x)
-
-
-def _causal(real: Tensor) -> Tensor:
-    """bool ``[B, n, n]``: each of n new tokens sees the real ones (``real`` bool ``[B, n]``) up to
-    itself, and always itself, so that every query attends to something."""
-    n = real.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=real.device).tril()
-    return (causal & real[:, None, :]) | torch.eye(n, dtype=torch.bool, device=real.device)
-
-
-def _prefill(kv: _KV, input_ids: Tensor, real: Tensor) -> Tensor:
-    """Feed the prompts (left-padded; ``real`` bool ``[B, L]``); returns the last row's logits ``[B, V]``."""
-    positions = (real.long().cumsum(1) - 1).clamp(min=0)
-    return kv.forward(input_ids, positions, _causal(real), committed=real)[:, -1]
-
-
-# ------------------------------------------------------------------------------ tree layout
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """A static draft-tree layout from branching factors ``(c_1, .., c_D)``: nodes in level
-    order (root 0, its ``c_1`` children, their ``c_2`` children each, ...)."""
-
-    branching: tuple[int, ...]
-
-    @property
-    def depth(self) -> int:
-        return len(self.branching)
-
-    def levels(self) -> list[range]:
-        """Node ids of each level 0 .. D."""
-        out, start, width = [range(0, 1)], 1, 1
-        for c in self.branching:
-            width *= c
-            out.append(range(start, start + width))
-            start += width
-        return out
-
-    def parents(self) -> list[int]:
-        lv = self.levels()
-        return [-1] + [lv[d - 1].start + k // c for d, c in enumerate(self.branching, 1) for k in range(len(lv[d]))]
-
-
-def _visible_nodes(tree: TokenTree) -> Tensor:
-    """bool ``[B, N, N]``: node j is node i or an ancestor of i (:meth:`TokenTree.mask`), and
-    every absent node sees itself, so that each of the model's queries attends to something."""
-    N = tree.size
-    return tree.mask() | torch.eye(N, dtype=torch.bool, device=tree.device)
-
-
-# ------------------------------------------------------------------------------ randomness
-
-
-class _Streams:
-    """The rng of each random call, in call order. A :class:`Philox` advances its offsets by one
-    per call; every step makes the same calls, so request b's draws depend on its seed only."""
-
-    def __init__(self, rng: torch.Generator | Philox | None):
-        self.rng, self.calls = rng, 0
-
-    def next(self) -> torch.Generator | Philox | None:
-        self.calls += 1
-        return self.rng.advance(self.calls - 1) if isinstance(self.rng, Philox) else self.rng
-
-
-# ------------------------------------------------------------------------------ drafting
-
-
-def _children(q: Tensor, c: int, how: str, streams: _Streams) -> tuple[Tensor, Tensor]:
-    """Draw ``c`` children per parent from ``q`` float ``[B, P, V]``.
-
-    Returns tokens int64 ``[B, P * c]`` (each parent's children together) and bool
-    ``[B, P * c]``: whether the child exists (without replacement, a parent whose support is
-    used up has fewer children).
-    """
-    B, P, V = q.shape
-    if how == "deterministic":
-        return q.topk(min(c, V), -1).indices.reshape(B, -1), torch.ones(B, P * c, dtype=torch.bool, device=q.device)
-    if how == "iid":
-        x = sample(q[:, :, None, :].expand(B, P, c, V), streams.next())
-        return x.reshape(B, -1), torch.ones(B, P * c, dtype=torch.bool, device=q.device)
-    left, xs, have = q.clone(), [], []
-    for _ in range(c):
-        have.append(left.sum(-1) > 0)
-        x = sample(left, streams.next())
-        left.scatter_(-1, x[..., None], 0.0)
-        xs.append(x)
-    return torch.stack(xs, 2).reshape(B, -1), torch.stack(have, 2).reshape(B, -1)
-
-
-def _draft(dkv: _KV, pending: Tensor, pending_on: Tensor, pos_root: Tensor, shape: _Shape, params, how: str,
-           streams: _Streams) -> tuple[Tensor, Tensor, Tensor, int]:
-    """Let the draft grow one tree per request after the root.
-
-    pending: int64 ``[B, 2]``: the committed tokens the draft has not seen, the last one the
-    root; ``pending_on`` bool ``[B, 2]`` says which exist (the root always does).
-    Returns the node tokens int64 ``[B, N]`` (node 0 the root), the parents int64 ``[B, N]``
-    (``-1`` for absent nodes), the draft distributions float32 ``[B, N, V]`` at every node
-    with children (zeros elsewhere), and the draft cache slot of the root.
-    """
-    B = pending.shape[0]
-    dev = pending.device
-    P = 2 if bool(pending_on[:, 0].any()) else 1
-    toks, on = pending[:, 2 - P:], pending_on[:, 2 - P:]
-    visible = torch.cat([dkv.committed[:, None, :].expand(B, P, -1), _causal(on)], 2)
-    positions = (pos_root[:, None] - P + 1 + torch.arange(P, device=dev)).clamp(min=0)
-    committed = torch.cat([on[:, :-1], torch.zeros(B, 1, dtype=torch.bool, device=dev)], 1)
-    root_slot = dkv.slots + P - 1
-    q_level = logits_to_probs(dkv.forward(toks, positions, visible, committed)[:, -1:], params)
-
-    levels = shape.levels()
-    N = levels[-1].stop
-    tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-    tokens[:, 0] = pending[:, 1]
-    parents = torch.tensor(shape.parents(), device=dev).expand(B, N).clone()
-    q_nodes = torch.zeros(B, N, q_level.shape[-1], device=dev)
-    q_nodes[:, :1] = q_level
-    prefix = dkv.committed[:, :root_slot]
-    for d, c in enumerate(shape.branching, 1):
-        lv = levels[d]
-        x, have = _children(q_level, c, how, streams)
-        parent_ids = parents[:, lv.start:lv.stop]  # the layout's parents (>= 0)
-        parent_on = (parent_ids == 0) | (parents.gather(1, parent_ids) >= 0)
-        tokens[:, lv.start:lv.stop] = x
-        parents[:, lv.start:lv.stop] = torch.where(have & parent_on, parent_ids, -1)
-        if d == shape.depth:
-            break
-        n = len(lv)
-        anc = _visible_nodes(TokenTree.from_parents(parents[:, :lv.stop]))[:, lv.start:]
-        visible = torch.cat([prefix[:, None, :].expand(B, n, -1), anc], 2)
-        q_level = logits_to_probs(dkv.forward(x, (pos_root + d)[:, None].expand(B, n), visible), params)
-        q_nodes[:, lv.start:lv.stop] = q_level
-    return tokens, parents, q_nodes, root_slot
-
-
-# ------------------------------------------------------------------------------ generation
+# ------------------------------------------------------------------------------ arguments
 
 
 def _check_prompt(op: str, input_ids, attention_mask) -> tuple[Tensor, Tensor]:
@@ -296,24 +129,34 @@ def _check_count(op: str, name: str, value, low: int) -> int:
     return value
 
 
-def _eos_ids(op: str, eos_token_id, device) -> Tensor:
+def _check_params(op: str, name: str, params, batch: int, device: torch.device) -> SamplingParams:
+    """``params`` (default: temperature 1), its tensors' shapes checked for ``batch`` requests."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        fail(op, name, "a SamplingParams or None", type(params).__name__)
+    params.rows(op, batch, 1, device, False)
+    return params
+
+
+def _eos_ids(op: str, eos_token_id) -> list[int]:
     ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         fail(op, "eos_token_id", "None, an int >= 0 or a list of them", repr(eos_token_id))
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    return ids
 
 
 class _Output:
     """Per-request generated tokens, with the max_new_tokens and EOS ends applied."""
 
-    def __init__(self, B: int, max_new: int, eos: Tensor):
+    def __init__(self, B: int, max_new: int, eos: list[int]):
         self.tokens: list[list[int]] = [[] for _ in range(B)]
         self.done = [max_new == 0] * B
-        self.max_new, self.eos = max_new, eos.tolist()
+        self.max_new, self.eos = max_new, set(eos)
 
-    def add(self, new: Tensor, count: Tensor) -> None:
-        """Append ``new[b, :count[b]]`` (int64 ``[B, J]``) to each request still generating."""
-        for b, (row, n) in enumerate(zip(new.tolist(), count.tolist())):
+    def add(self, rows: list[list[int]], counts: list[int]) -> None:
+        """Append ``rows[b][:counts[b]]`` to each request still generating."""
+        for b, (row, n) in enumerate(zip(rows, counts)):
             if self.done[b]:
                 continue
             for t in row[:n]:
@@ -336,6 +179,17 @@ class _Output:
 
 def _model_device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+def _sample(logits: Tensor, params: SamplingParams, rows: RowsOf, call: Call) -> Tensor:
+    """One token per request from logits ``[B, V]``: the draw of :func:`sample_from_logits` on
+    ``call``'s random stream. int64 ``[B]``."""
+    if use_triton(logits.device):
+        return sample_from_logits(logits, params, call.rng).tokens
+    return process(logits, rows(1), logits=True).sample(call.uniform(STREAM_SAMPLE, 1).reshape(-1))
+
+
+# ------------------------------------------------------------------------------ plain sampling
 
 
 @torch.no_grad()
@@ -374,60 +228,84 @@ def generate(
     dev = _model_device(model)
     ids, real = ids.to(dev), real.to(dev)
     B = ids.shape[0]
-    out = _Output(B, max_new_tokens, _eos_ids(op, eos_token_id, dev))
+    params = _check_params(op, "params", params, B, dev)
+    out = _Output(B, max_new_tokens, _eos_ids(op, eos_token_id))
     stats = GenerationStats(request_target_calls=[0] * B)
-    streams = _Streams(rng)
-    kv = _KV(model, B, dev)
-    pos = real.long().sum(1)
-    logits = _prefill(kv, ids, real) if max_new_tokens else None
+    streams = Streams(rng, B, dev, op, horizon=max_new_tokens)
+    rows = RowsOf(params, B, dev, op)
+    plan = (((STREAM_SAMPLE, 1),),)
+    state = ModelCache(model, B, dev)
+    pos = real.long().sum(1)[:, None]
+    own = torch.zeros(1, 1, dtype=state.dtype, device=dev)  # a new token sees itself
+    committed = torch.ones(B, 1, dtype=torch.bool, device=dev)
+    logits = state.prefill(ids, real) if max_new_tokens else None
     while not all(out.done):
-        x = sample_from_logits(logits, params, streams.next()).tokens
+        x = _sample(logits, params, rows, streams.step(plan)[0])
         stats.request_target_calls = [n + (not d) for n, d in zip(stats.request_target_calls, out.done)]
-        out.add(x[:, None], torch.ones_like(x))
-        stats.target_calls = kv.calls
+        out.add([[t] for t in x.tolist()], [1] * B)
+        stats.target_calls = state.calls
         if on_step is not None:
             on_step(out.result(stats, False, dev, started))
         if all(out.done):
             break
-        visible = torch.cat([kv.committed[:, None, :], torch.ones(B, 1, 1, dtype=torch.bool, device=dev)], 2)
-        logits = kv.forward(x[:, None], pos[:, None], visible, torch.ones(B, 1, dtype=torch.bool, device=dev))[:, 0]
+        logits = state.forward(x[:, None], pos, own, committed=committed)[:, 0]
         pos = pos + 1
     return out.result(stats, input_ids.dim() == 1, input_ids.device, started)
 
 
-def _resolve(op: str, drafter: str, method: str, how: str) -> str:
-    """The verification method for a drafter and a draft sampling."""
+# ------------------------------------------------------------------------------ speculative generation
+
+
+def _resolve(op: str, drafter: str, method: str, how: str | None) -> tuple[str, str]:
+    """The verification method and the draft sampling for a drafter."""
     if drafter not in DRAFTERS:
         fail(op, "drafter", f"one of {DRAFTERS}", repr(drafter))
+    if drafter == "ngram":
+        if how not in (None, "deterministic"):
+            fail(op, "draft_sampling", "None or 'deterministic' for drafter 'ngram' (its drafts are looked up)",
+                 repr(how))
+        if method not in (*NGRAM_METHODS, "auto"):
+            fail(op, "method", f"one of {('auto', *NGRAM_METHODS)} for drafter 'ngram'", repr(method))
+        return ("target_only" if method == "auto" else method), "deterministic"
+    how = "iid" if how is None else how
     if how not in DRAFT_SAMPLINGS:
         fail(op, "draft_sampling", f"one of {DRAFT_SAMPLINGS}", repr(how))
     methods, sampled = (CHAIN_METHODS, "token") if drafter == "chain" else (TREE_METHODS, "rrs")
     if method not in (*methods, "auto"):
         fail(op, "method", f"one of {('auto', *methods)} for drafter {drafter!r}", repr(method))
     if method == "auto":
-        return "target_only" if how == "deterministic" else sampled
+        return ("target_only" if how == "deterministic" else sampled), how
     if how == "deterministic" and method not in ("target_only", "greedy"):
         fail(op, "method", "'target_only' or 'greedy' for deterministic drafts (the others need sampled drafts)",
              repr(method))
     if how != "deterministic" and method == "target_only":
         fail(op, "draft_sampling", "'deterministic' for method 'target_only' (it assumes drafts chosen without "
              "randomness)", repr(how))
-    return method
+    return method, how
 
 
-def _tree_shape(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> _Shape:
-    if drafter == "chain":
+def _branching(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> tuple[int, ...]:
+    if drafter != "tree":
         if tree_shape is not None:
-            fail(op, "tree_shape", "None for drafter 'chain' (num_draft_tokens sets the chain)", repr(tree_shape))
-        return _Shape((1,) * _check_count(op, "num_draft_tokens", num_draft_tokens, 1))
+            fail(op, "tree_shape", f"None for drafter {drafter!r} (num_draft_tokens sets the chain)",
+                 repr(tree_shape))
+        return (1,) * _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
     if tree_shape is None:
         _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
-        return _Shape((2, 2) + (1,) * (num_draft_tokens - 2) if num_draft_tokens >= 2 else (2,))
+        return (2, 2) + (1,) * (num_draft_tokens - 2) if num_draft_tokens >= 2 else (2,)
     shape = tuple(tree_shape) if isinstance(tree_shape, (list, tuple)) else None
     if not shape or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in shape):
         fail(op, "tree_shape", "a non-empty list of branching factors >= 1 per depth (e.g. [3, 2, 1])",
              repr(tree_shape))
-    return _Shape(shape)
+    return shape
+
+
+def _verify_plan(method: str, count: int) -> tuple[tuple[int, int], ...]:
+    """The uniforms a verification draws, in its order (greedy chains draw and ignore a sample stream)."""
+    return {"token": ((STREAM_SAMPLE, count), (STREAM_ACCEPT, count)),
+            "block": ((STREAM_SAMPLE, count), (STREAM_ACCEPT, count)),
+            "rrs": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count)),
+            "traversal": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count))}.get(method, ((STREAM_SAMPLE, count),))
 
 
 @torch.no_grad()
@@ -441,99 +319,194 @@ def speculative_generate(
     drafter: str = "chain",
     num_draft_tokens: int = 4,
     tree_shape: Sequence[int] | None = None,
-    draft_sampling: str = "iid",
+    draft_sampling: str | None = None,
     method: str = "auto",
     rng: torch.Generator | Philox | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     attention_mask: Tensor | None = None,
     draft_params: SamplingParams | None = None,
+    prompt_lookup_min: int = 1,
+    prompt_lookup_max: int = 3,
     on_step: Callable[[GenerationOutput], None] | None = None,
 ) -> GenerationOutput:
-    """Generate with a draft model proposing and the target verifying, losslessly.
+    """Generate with a drafter proposing and the target verifying, losslessly.
 
     Args:
-        target, draft: transformers causal LMs over the same vocabulary (see the module docstring).
+        target: a transformers causal LM (see the module docstring).
+        draft: the draft model, over the target's vocabulary; None for ``drafter="ngram"``.
         input_ids: integer ``[B, L]`` (left-padded with ``attention_mask``) or ``[L]``.
         max_new_tokens: int >= 0.
         params: the target's :class:`SamplingParams` (scalars or ``[B]``); the output follows
             them exactly. Default: temperature 1.
-        drafter: ``"chain"`` (``num_draft_tokens`` drafts per step) or ``"tree"``
-            (``tree_shape`` children per node at each depth; default ``[2, 2, 1, ..]`` of
-            depth ``num_draft_tokens``).
+        drafter: ``"chain"`` (``num_draft_tokens`` drafts per step), ``"tree"`` (``tree_shape``
+            children per node at each depth; default ``[2, 2, 1, ..]`` of depth
+            ``num_draft_tokens``) or ``"ngram"`` (prompt lookup: up to ``num_draft_tokens``
+            tokens that followed the latest earlier occurrence of the context's last n tokens,
+            n from ``prompt_lookup_max`` down to ``prompt_lookup_min``; no draft model).
         tree_shape: branching factors per depth, e.g. ``[3, 2, 1]`` (tree drafter only).
-        draft_sampling: ``"iid"`` (siblings drawn independently from the draft),
+        draft_sampling: ``"iid"`` (siblings drawn independently from the draft; the default),
             ``"without_replacement"`` (distinct siblings; a node whose draft support is used up
-            gets fewer children) or ``"deterministic"`` (the most likely tokens of the draft).
-        method: ``"auto"``, or a chain method (``token``, ``block``, ``target_only``, ``greedy``)
-            or tree method (``rrs``, ``traversal``, ``target_only``, ``greedy``). ``auto``:
-            ``token`` / ``rrs`` for sampled drafts, ``target_only`` for deterministic ones.
+            gets fewer children) or ``"deterministic"`` (the most likely tokens of the draft;
+            the n-gram drafter's drafts are deterministic too).
+        method: ``"auto"``, or a chain method (``token``, ``block``, ``target_only``, ``greedy``),
+            tree method (``rrs``, ``traversal``, ``target_only``, ``greedy``) or n-gram method
+            (``target_only``, ``greedy``). ``auto``: ``token`` / ``rrs`` for sampled drafts,
+            ``target_only`` for deterministic ones.
         rng: ``None``, a ``torch.Generator`` or :class:`Philox` (per-request seeds ``[B]``; the
             first-token draw, each draft level's draws and each verification take the next
             offset, the same sequence for every request).
         eos_token_id: None, an id or a list of ids that end a request (kept as its last token).
         attention_mask: ``[B, L]``, 1 for real tokens, 0 for left padding.
         draft_params: how the draft's logits become its distributions (default ``params``).
+        prompt_lookup_min, prompt_lookup_max: the n-gram sizes the n-gram drafter matches.
         on_step: called after every verification step with the tokens generated so far.
     Returns:
         :class:`GenerationOutput`; ``stats`` counts both models' calls and the accepted drafts.
     """
-    op = "speculative_generate"
     started = time.perf_counter()
-    ids, real = _check_prompt(op, input_ids, attention_mask)
-    _check_count(op, "max_new_tokens", max_new_tokens, 0)
-    method = _resolve(op, drafter, method, draft_sampling)
-    shape = _tree_shape(op, drafter, num_draft_tokens, tree_shape)
+    ids, real = _check_prompt(OP, input_ids, attention_mask)
+    _check_count(OP, "max_new_tokens", max_new_tokens, 0)
+    method, how = _resolve(OP, drafter, method, draft_sampling)
+    branching = _branching(OP, drafter, num_draft_tokens, tree_shape)
+    if (draft is None) != (drafter == "ngram"):
+        fail(OP, "draft", "None for drafter 'ngram' and a draft model for the others", type(draft).__name__)
     dev = _model_device(target)
     ids, real = ids.to(dev), real.to(dev)
     B = ids.shape[0]
-    draft_params = params if draft_params is None else draft_params
-    out = _Output(B, max_new_tokens, _eos_ids(op, eos_token_id, dev))
-    stats = GenerationStats(request_target_calls=[0] * B, draft_depth=shape.depth)
-    streams = _Streams(rng)
-    tkv, dkv = _KV(target, B, dev), _KV(draft, B, dev)
-    pos_root = real.long().sum(1)  # the root's position: tokens before it
-    D = shape.depth
-    if max_new_tokens:
-        root = sample_from_logits(_prefill(tkv, ids, real), params, streams.next()).tokens
-        _prefill(dkv, ids, real)
-        stats.request_target_calls = [1] * B
-        out.add(root[:, None], torch.ones_like(root))
-    pending_on = torch.tensor([[False, True]] * B, device=dev)
-    pending = torch.stack([torch.zeros_like(pos_root), root], 1) if max_new_tokens else None
-    while not all(out.done):
-        tokens, parents, q_nodes, root_slot = _draft(dkv, pending, pending_on, pos_root, shape, draft_params,
-                                                     draft_sampling, streams)
-        tree = TokenTree.from_parents(parents)
-        visible = torch.cat([tkv.committed[:, None, :].expand(B, tree.size, -1), _visible_nodes(tree)], 2)
-        start = tkv.slots
-        logits = tkv.forward(tokens, pos_root[:, None] + tree.depth.clamp(min=0), visible)
-        if logits.shape[-1] != q_nodes.shape[-1]:
-            fail(op, "draft", f"a vocabulary of the target's size {logits.shape[-1]}", q_nodes.shape[-1])
+    params = _check_params(OP, "params", params, B, dev)
+    draft_params = params if draft_params is None else _check_params(OP, "draft_params", draft_params, B, dev)
+    run = _Run(target, ids, real, max_new_tokens, params, method, rng, _eos_ids(OP, eos_token_id), on_step, started)
+    if drafter == "ngram":
+        _check_count(OP, "prompt_lookup_min", prompt_lookup_min, 1)
+        _check_count(OP, "prompt_lookup_max", prompt_lookup_max, prompt_lookup_min)
+        run.ngram(num_draft_tokens, prompt_lookup_min, prompt_lookup_max)
+    else:
+        run.model(draft, draft_params, branching, how, tree=drafter == "tree")
+    return run.out.result(run.stats, input_ids.dim() == 1, input_ids.device, started)
+
+
+class _Run:
+    """One speculative generation: the target's state, the output and the loop of each drafter."""
+
+    def __init__(self, target, ids: Tensor, real: Tensor, max_new: int, params: SamplingParams, method: str, rng,
+                 eos: list[int], on_step, started: float):
+        self.B, self.dev = ids.shape[0], ids.device
+        self.ids, self.real, self.params, self.method = ids, real, params, method
+        self.on_step, self.started = on_step, started
+        self.out = _Output(self.B, max_new, eos)
+        self.stats = GenerationStats(request_target_calls=[0] * self.B)
+        self.streams = Streams(rng, self.B, self.dev, OP, horizon=max_new)
+        self.rows = RowsOf(params, self.B, self.dev, OP)
+        self.target = ModelCache(target, self.B, self.dev)
+        self.pos_root = real.long().sum(1)  # the root's position: tokens before it
+
+    def _first(self) -> Tensor:
+        """Prefill the target and draw the first token (the first root), int64 ``[B]``."""
+        root = _sample(self.target.prefill(self.ids, self.real), self.params, self.rows,
+                       self.streams.call(((STREAM_SAMPLE, 1),)))
+        self.stats.request_target_calls = [1] * self.B
+        self.out.add([[t] for t in root.tolist()], [1] * self.B)
+        return root
+
+    def _record(self, accepted: list[int], rows: list[list[int]], draft_calls: int = 0) -> None:
+        """Book a verification step: ``accepted[b]`` drafts, then one more token, of ``rows[b]``."""
+        done = self.out.done
+        self.stats.accepted_per_step.append([a for a, d in zip(accepted, done) if not d])
+        self.stats.request_target_calls = [c + (not d) for c, d in zip(self.stats.request_target_calls, done)]
+        self.out.add(rows, [a + 1 for a in accepted])
+        self.stats.target_calls, self.stats.draft_calls = self.target.calls, draft_calls
+        if self.on_step is not None:
+            self.on_step(self.out.result(self.stats, False, self.dev, self.started))
+
+    def model(self, draft, draft_params: SamplingParams, branching: tuple[int, ...], how: str, tree: bool) -> None:
+        """Drafting with a draft model: a chain (branching 1 at every depth) or a tree."""
+        B, dev, method = self.B, self.dev, self.method
+        layout = tree_layout(branching)
+        D, N = layout.depth, layout.size
+        self.stats.draft_depth = D
+        state = ModelCache(draft, B, dev)
         sampled = method not in ("target_only", "greedy")
-        if drafter == "chain":
-            res = verify_chain_from_logits(logits, tokens[:, 1:], params, method=method, rng=streams.next(),
-                                           draft_probs=q_nodes[:, :-1] if sampled else None)
-            path = torch.where(torch.arange(D + 1, device=dev) <= res.num_accepted[:, None],
-                               torch.arange(D + 1, device=dev), -1)
-        else:
-            q_parent = q_nodes.gather(1, parents.clamp(min=0)[:, :, None].expand_as(q_nodes)) if sampled else None
-            res = verify_tree_from_logits(logits, tokens, tree, params, draft_probs=q_parent, method=method,
-                                          draft_sampling="iid" if draft_sampling == "iid" else "without_replacement",
-                                          rng=streams.next())
-            path = res.path
-        n = res.num_accepted.long()
-        stats.accepted_per_step.append([int(v) for v, d in zip(n.tolist(), out.done) if not d])
-        stats.request_target_calls = [c + (not d) for c, d in zip(stats.request_target_calls, out.done)]
-        out.add(res.tokens, n + 1)
-        tkv.keep_path(start, path, n)
-        fed = n.clamp(max=D - 1)  # the draft never saw the deepest level
-        dkv.keep_path(root_slot, path, fed)
-        pending_on = torch.stack([n == D, torch.ones_like(n, dtype=torch.bool)], 1)
-        last_draft = res.tokens.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
-        pending = torch.stack([last_draft, res.tokens.gather(1, n[:, None])[:, 0]], 1)
-        pos_root = pos_root + n + 1
-        stats.target_calls, stats.draft_calls = tkv.calls, dkv.calls
-        if on_step is not None:
-            on_step(out.result(stats, False, dev, started))
-    stats.target_calls, stats.draft_calls = tkv.calls, dkv.calls
-    return out.result(stats, input_ids.dim() == 1, input_ids.device, started)
+        drafter = ModelDrafter(state, layout, RowsOf(draft_params, B, dev, OP), how, keep_q=sampled)
+        plan = (*draft_plan(layout, how), _verify_plan(method, N))
+        verify_sampling = "iid" if how == "iid" else "without_replacement"
+        positions = layout.tensor("depth", dev)
+        whole = torch.ones(B, D, dtype=torch.bool, device=dev), torch.full((B,), D, dtype=torch.long, device=dev)
+        if all(self.out.done):
+            return
+        root = self._first()
+        state.prefill(self.ids, self.real)
+        pending = torch.stack([torch.zeros_like(root), root], 1)
+        pending_on = torch.tensor([[False, True]] * B, device=dev)
+        P = 1
+        while not all(self.out.done):
+            calls = self.streams.step(plan)
+            d = drafter.propose(pending, pending_on, P, self.pos_root, calls[:-1])
+            start = self.target.slots
+            logits = self.target.forward(d.tokens, self.pos_root[:, None] + positions,
+                                         layout.bias(dev, self.target.dtype))
+            V = logits.shape[-1]
+            if drafter.vocab != V:
+                fail(OP, "draft", f"a vocabulary of the target's size {V}", drafter.vocab)
+            check = calls[-1]
+            if tree:
+                links = layout.links(B, dev, d.present)
+                res = _verify_tree_prepared(logits, d.tokens, links, d.q_parent, links.usable, method,
+                                            verify_sampling, self.params, self.rows(N), check.rng, check.uniform)
+                host = torch.cat([res.num_accepted[:, None], res.tokens, res.path], 1).tolist()
+                path = res.path
+            else:
+                q = d.q_parent[:, 1:] if sampled else None
+                res = _verify_chain_prepared(logits, d.tokens[:, 1:], q, whole[1], whole[0], method, self.params,
+                                             self.rows(D + 1), check.rng, check.uniform)
+                host = torch.cat([res.num_accepted[:, None], res.tokens], 1).tolist()
+                path = None
+            n = res.num_accepted
+            accepted = [row[0] for row in host]
+            tokens = [row[1: D + 2] for row in host]
+            self._record(accepted, tokens, state.calls)
+            moved = path is not None and any(row[D + 2 + j] != j for row in host for j in range(1, row[0] + 1))
+            self.target.keep(start, path if moved else None, n, accepted)
+            fed = [min(a, D - 1) for a in accepted]  # the draft never saw the deepest level
+            state.keep(d.root_slot, path if moved else None, n.clamp(max=D - 1), fed)
+            P = 2 if D in accepted else 1
+            pending = torch.tensor([[t[max(a - 1, 0)], t[a]] for t, a in zip(tokens, accepted)], device=dev)
+            pending_on = torch.tensor([[a == D, True] for a in accepted], device=dev)
+            self.pos_root = self.pos_root + n + 1
+        self.stats.target_calls, self.stats.draft_calls = self.target.calls, state.calls
+
+    def ngram(self, k: int, min_n: int, max_n: int) -> None:
+        """Drafting by prompt lookup: up to k tokens per request, verified as a ragged chain."""
+        dev = self.dev
+        self.stats.draft_depth = k
+        plan = (_verify_plan(self.method, k + 1),)
+        if all(self.out.done):
+            return
+        contexts = [row[mask].tolist() for row, mask in zip(self.ids, self.real)]
+        root = self._first()
+        drafter = NgramDrafter(contexts, k, min_n, max_n)
+        for b, t in enumerate(root.tolist()):
+            drafter.extend(b, [t])
+        roots = root.tolist()
+        while not all(self.out.done):
+            proposals = [[] if done else drafter.propose(b) for b, done in enumerate(self.out.done)]
+            K = max(map(len, proposals))
+            chain = torch.tensor([[r, *p] + [0] * (K - len(p)) for r, p in zip(roots, proposals)], device=dev)
+            num = torch.tensor([len(p) for p in proposals], device=dev)
+            start = self.target.slots
+            steps = torch.arange(K + 1, device=dev)
+            causal = tree_layout((1,) * K).bias(dev, self.target.dtype)  # a chain's mask
+            logits = self.target.forward(chain, self.pos_root[:, None] + steps, causal)
+            check = self.streams.step(plan)[0]
+            res = _verify_chain_prepared(logits, chain[:, 1:], None, num, steps[:K] < num[:, None], self.method,
+                                         self.params, self.rows(K + 1), check.rng, check.uniform)
+            host = torch.cat([res.num_accepted[:, None], res.tokens], 1).tolist()
+            accepted = [row[0] for row in host]
+            tokens = [row[1:] for row in host]
+            for b, (t, a) in enumerate(zip(tokens, accepted)):
+                if not self.out.done[b]:
+                    drafter.extend(b, t[: a + 1])
+            self._record(accepted, tokens)
+            self.target.keep(start, None, res.num_accepted, accepted)
+            roots = [t[a] for t, a in zip(tokens, accepted)]
+            self.pos_root = self.pos_root + res.num_accepted + 1
+        self.stats.target_calls = self.target.calls

@@ -5,8 +5,9 @@ standard library's own source files, which every Python installation has, so not
 downloaded. The target has 4 layers of width 192 (1.8M parameters); the draft has one layer of
 width 128 (0.23M): clearly weaker, yet it agrees with the target's greedy next byte often, which
 is what speculative decoding needs. Both were trained on windows of 256 bytes: positions past 256
-work (RoPE) but predict worse. The committed weights live in ``PAIR_DIR``; ``python -m specsampler.generate.modelpair --out DIR``
-trains them again, deterministically, in a few minutes on two CPU cores.
+work (RoPE) but predict worse. The committed weights live in ``PAIR_DIR``;
+``python -m specsampler.generate.modelpair --out DIR`` trains them again, deterministically, in a few
+minutes on two CPU cores.
 
 transformers is an optional dependency: it is imported inside the functions that need it.
 """
@@ -82,7 +83,8 @@ def load_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torch.flo
             path = pair_dir / name / file
             if not path.is_file():
                 raise FileNotFoundError(f"model pair weights missing: {path} does not exist; train them with "
-                                        f"`{TRAIN_COMMAND}` (or `python -m specsampler.generate.modelpair --out {pair_dir}`)")
+                                        f"`{TRAIN_COMMAND}` (or `python -m specsampler.generate.modelpair --out "
+                                        f"{pair_dir}`)")
         model = AutoModelForCausalLM.from_pretrained(pair_dir / name, dtype=dtype)
         models.append(model.to(device).eval())
     return models[0], models[1], ByteTokenizer()
@@ -246,7 +248,8 @@ def train_pair(out_dir: str | Path, *, seed: int = 0, target_steps: int = TARGET
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m specsampler.generate.modelpair --out DIR [--seed N]``: train the pair into DIR."""
-    parser = argparse.ArgumentParser(prog="python -m specsampler.generate.modelpair", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m specsampler.generate.modelpair",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=PAIR_DIR, help=f"output folder (default: {PAIR_DIR})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-steps", type=int, default=TARGET_STEPS)
