@@ -1,6 +1,15 @@
 import json
 
-from specsampler.cli.bench import every_node_tree_verify, materialising_chain_verify, run, sort_sampler, spine_tree
+import pytest
+
+from specsampler.cli.bench import (
+    every_node_tree_verify,
+    materialising_chain_verify,
+    run,
+    run_generate,
+    sort_sampler,
+    spine_tree,
+)
 
 
 def test_bench_writes_records_with_the_documented_fields(tmp_path):
@@ -124,3 +133,24 @@ def test_the_gpu_session_script_runs_its_bench_and_tune_phases_on_the_cpu(tmp_pa
     assert "=== chain" in (tmp_path / "bench" / "bench-compile.log").read_text()
     compared = (tmp_path / "tune" / "tune-compare.txt").read_text()
     assert "stages=1 per_sm=2" in compared and "stages=4 per_sm=2" in compared and compared.count("\n") == 8
+
+
+def test_bench_generate_reports_wall_forward_and_library_time_per_method(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from specsampler.cli.demo import RUNS
+
+    out = tmp_path / "generate.json"
+    report = run_generate("cpu", reps=1, quick=True, out=str(out))
+    assert json.loads(out.read_text()) == report
+    assert report["threads"] == 1 and report["library_share_target"] == 0.15
+    records = report["records"]
+    assert [(r["method"], r["B"]) for r in records] == [(label, B) for B in (1, 3) for label, _ in RUNS]
+    for r in records:
+        assert r["wall_ms"] > r["forward_ms"] > 0 and r["tokens_per_s"] > 0 and r["steps"] > 0
+        assert r["library_ms"] == pytest.approx(r["wall_ms"] - r["forward_ms"], abs=0.02 * r["wall_ms"])
+        assert r["new_tokens"] == 24 * r["B"]
+    plain = [r for r in records if r["settings"] is None]
+    assert [r["speedup"] for r in plain] == [1.0, 1.0] and all(r["steps"] == 24 for r in plain)
+    assert all("met" in r for r in records if r["B"] == 1 and r["settings"] is not None)
+    text = capsys.readouterr().out
+    assert "library ms/step" in text and "n-gram lookup" in text

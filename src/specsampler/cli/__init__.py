@@ -179,9 +179,13 @@ def check(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     """Benchmarks (specsampler.bench): a table, JSON records and optionally a plot."""
-    from .bench import run
+    from .bench import run, run_generate
 
-    records = run(args.device, args.reps, args.quick, args.out, args.plot)
+    if args.what == "generate":
+        report = run_generate(args.device, args.reps or 3, args.quick, args.out, args.plot, args.max_new_tokens)
+        records = report["records"]
+    else:
+        records = run(args.device, args.reps or 15, args.quick, args.out, args.plot)
     return 0 if all(r.get("met", True) for r in records) else 1
 
 
@@ -199,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=100_000)
     p.add_argument("--only", choices=["chain", "tree"], help="check one family only")
     p.set_defaults(func=check)
-    p = sub.add_parser("bench", help="benchmarks against plain-PyTorch baselines and the one-read floor")
+    p = sub.add_parser("bench", help="benchmarks: ops against plain-PyTorch baselines and the one-read floor, or "
+                       "`bench generate`: where generation's time goes, every method on the built-in pair")
+    p.add_argument("what", nargs="?", choices=["ops", "generate"], default="ops")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, help="rounds per case (default: 15 for ops, 3 for generate)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="generate: new tokens per prompt")
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--plot", help="write a PNG of the speedups here (needs matplotlib)")

@@ -301,3 +301,122 @@ def plot_speedups(records: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+LIBRARY_SHARE_TARGET = 0.15  # the library's time per step, at most this share of the models' forward time (B = 1)
+
+
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def run_generate(device: str = "cpu", reps: int = 3, quick: bool = False, out: str | None = None,
+                 plot: str | None = None, max_new_tokens: int = 96, threads: int = 1) -> dict:
+    """``specsampler bench generate``: every demo method on the built-in pair at B = 1 and B = 3.
+
+    Per method: wall time, the models' forward time, the library's time per step (wall minus
+    forward, over the steps), tokens per second and the speedup over plain sampling (medians of
+    ``reps`` interleaved rounds, ``threads`` ATen threads). Prints a table; writes the JSON
+    (``out``) and a PNG (``plot``, needs matplotlib). Returns the report.
+    """
+    from ..generate.modelpair import load_pair
+    from ..generate.timing import Method, time_methods
+    from .demo import PROMPTS, RUNS, demo_defaults
+
+    dev = torch.device(device)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        target, draft, tokenizer = load_pair(device=dev)
+        params = SamplingParams(temperature=0.8, top_p=0.95)
+        methods = [Method(label, kwargs) for label, kwargs in RUNS]
+        new_tokens = 24 if quick else max_new_tokens
+        report = {"benchmark": "generate", "device": device_name(dev), "threads": threads,
+                  "model_pair": "built-in (target 1.8M, draft 0.23M parameters, V = 256)",
+                  "params": {"temperature": 0.8, "top_p": 0.95}, "max_new_tokens": new_tokens,
+                  "defaults": demo_defaults(), "reps": reps, "load_avg_before": _load_avg(), "steal_ms": steal_ms(),
+                  "library_share_target": LIBRARY_SHARE_TARGET, "records": []}
+        head = (f"{'method':<30}{'B':>3}{'tokens/s':>10}{'speedup':>9}{'wall ms':>10}{'forward ms':>12}"
+                f"{'steps':>7}{'library ms/step':>17}{'library/forward':>17}{'tokens/call':>13}")
+        print(report["device"] + f", {threads} thread(s), {new_tokens} new tokens per prompt\n" + head + "\n"
+              + "-" * len(head))
+        for B in (1, 3):
+            ids = [tokenizer.encode(p) for p in PROMPTS[:B]]
+            L = max(map(len, ids))
+            input_ids = torch.tensor([[0] * (L - len(i)) + i for i in ids], device=dev)
+            mask = torch.tensor([[0] * (L - len(i)) + [1] * len(i) for i in ids], device=dev)
+            records = time_methods(target, draft, input_ids, mask, new_tokens, params, methods, reps=reps,
+                                   defaults=demo_defaults())
+            for rec in records:
+                spec = rec["settings"] is not None
+                if B == 1 and spec:
+                    rec["met"] = rec["library_share"] is not None and rec["library_share"] <= LIBRARY_SHARE_TARGET
+                met = "" if "met" not in rec else ("" if rec["met"] else "  over target")
+                print(f"{rec['method']:<30}{B:>3}{rec['tokens_per_s']:>10.1f}{rec['speedup']:>8.2f}x"
+                      f"{rec['wall_ms']:>10.1f}{rec['forward_ms']:>12.1f}{rec['steps']:>7}"
+                      f"{rec['library_ms_per_step']:>17.3f}{100 * rec['library_share']:>16.1f}%"
+                      f"{rec['tokens_per_target_call']:>13.2f}{met}")
+            report["records"] += records
+        report["load_avg_after"] = _load_avg()
+        stolen = steal_ms()
+        report["steal_ms"] = None if stolen is None or report["steal_ms"] is None else round(
+            stolen - report["steal_ms"], 1)
+        print(f"load average before {report['load_avg_before']}, after {report['load_avg_after']}; "
+              f"CPU time stolen by the hypervisor: {_fmt(report['steal_ms'])} ms")
+    finally:
+        torch.set_num_threads(old_threads)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {out}")
+    if plot:
+        plot_generate(report, plot)
+    return report
+
+
+def plot_generate(report: dict, path: str) -> None:
+    """Two panels: tokens per second of each method (B = 1 and 3, plain sampling dashed), and at
+    B = 1 each method's time per step, forward and library stacked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'specsampler[bench]'): no plot")
+        return
+    records = report["records"]
+    labels = list(dict.fromkeys(r["method"] for r in records))
+    by = {(r["method"], r["B"]): r for r in records}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    x = range(len(labels))
+    for k, (B, color) in enumerate(((1, "#4477aa"), (3, "#66ccee"))):
+        vals = [by[(m, B)]["tokens_per_s"] for m in labels]
+        bars = ax1.bar([i + (k - 0.5) * 0.4 for i in x], vals, 0.4, color=color, label=f"B = {B}")
+        for bar, m in zip(bars, labels):
+            ax1.annotate(f"{by[(m, B)]['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                         ha="center", va="bottom", fontsize=6)
+    ax1.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=7)
+    ax1.set_ylabel("tokens per second (wall clock; labels: speedup over plain)")
+    ax1.legend(fontsize=8)
+    fwd = [by[(m, 1)]["forward_ms_per_step"] for m in labels]
+    lib = [by[(m, 1)]["library_ms_per_step"] for m in labels]
+    ax2.bar(list(x), fwd, color="#999999", label="model forwards")
+    ax2.bar(list(x), lib, bottom=fwd, color="#cc3311", label="library")
+    for i, (f, li) in enumerate(zip(fwd, lib)):
+        ax2.annotate(f"{100 * li / f:.0f}%", (i, f + li), ha="center", va="bottom", fontsize=7)
+    ax2.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=7)
+    ax2.set_ylabel("ms per step, B = 1 (labels: library / forward)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"specsampler generate on the built-in pair: {report['device']}, {report['threads']} thread(s), "
+                 f"{report['max_new_tokens']} tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

@@ -1,9 +1,10 @@
 """``specsampler demo``: speculative generation with a real model pair, every method side by side.
 
-Loads the built-in pair (:mod:`specsampler.modelpair`, trained on the Python standard library)
-or local Hugging Face models (``--target`` / ``--draft``), generates from a few prompts with
-plain sampling and with each verification method, and prints the texts and a table of what
-each method cost in target calls.
+Loads the built-in pair (:mod:`specsampler.generate.modelpair`, trained on the Python standard
+library) or local Hugging Face models (``--target`` / ``--draft``), generates from a few prompts
+with plain sampling, with each verification method and with the n-gram drafter, and prints the
+texts and a table of what each method cost: target calls, and wall-clock tokens per second
+against plain sampling (each method run once to warm up, then timed).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import time
 
 import torch
 
-from ..generate.loop import GenerationOutput, generate, speculative_generate
+from ..generate.loop import GenerationOutput
+from ..generate.timing import Method, time_methods
 from ..params import SamplingParams
-from ..rng import Philox
 
 PROMPTS = [
     "def read_config(path):\n    ",
@@ -32,7 +33,14 @@ RUNS = [
     ("tree rrs, w/o replacement", dict(drafter="tree", method="rrs", draft_sampling="without_replacement")),
     ("tree traversal", dict(drafter="tree", method="traversal", draft_sampling="without_replacement")),
     ("tree target-only (top-k)", dict(drafter="tree", method="target_only", draft_sampling="deterministic")),
+    ("n-gram lookup, target-only", dict(drafter="ngram", method="target_only")),
 ]
+NUM_DRAFT_TOKENS, TREE_SHAPE = 4, "2,2,1,1"  # the defaults of --num-draft-tokens and --tree-shape
+
+
+def demo_defaults() -> dict:
+    """The speculative_generate arguments the demo's runs share by default (chain length, tree shape)."""
+    return dict(num_draft_tokens=NUM_DRAFT_TOKENS, tree_shape=[int(c) for c in TREE_SHAPE.split(",")])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="the draft model's directory (with --target)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three Python snippets)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length")
-    p.add_argument("--tree-shape", default="2,2,1,1", help="children per node at each depth, e.g. 3,2,1")
+    p.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS, help="chain length")
+    p.add_argument("--tree-shape", default=TREE_SHAPE, help="children per node at each depth, e.g. 3,2,1")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
@@ -86,11 +94,14 @@ def _batch(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.T
     return input_ids, mask
 
 
-def _progress(label: str, index: int, total_runs: int, total_tokens: int):
-    def show(out: GenerationOutput) -> None:
-        done = int(out.lengths.sum())
-        bar = "#" * (20 * done // total_tokens)
-        sys.stderr.write(f"\r  [{index}/{total_runs}] {label:<28}[{bar:<20}] {done}/{total_tokens} tokens")
+def _progress(total: int):
+    """Report each timed run on stderr as it ends."""
+    done = []
+
+    def show(method: Method, out: GenerationOutput) -> None:
+        done.append(method.label)
+        rate = int(out.lengths.sum()) / out.stats.wall_time_s
+        sys.stderr.write(f"\r  [{len(done)}/{total}] {method.label:<28} {rate:8.0f} tokens/s" + " " * 10)
         sys.stderr.flush()
 
     return show
@@ -103,52 +114,53 @@ def _one_line(text: str, width: int = 110) -> str:
 
 def demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    torch.set_num_threads(1)  # models this small gain nothing from more, and timings stay comparable
     print("specsampler demo: speculative generation, plain sampling against every verification method")
     target, draft, tokenizer = _load(args)
-    count = lambda m: sum(p.numel() for p in m.parameters())
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"target {count(target) / 1e6:.1f}M parameters, draft {count(draft) / 1e6:.2f}M; "
           f"temperature {args.temperature}, top_p {args.top_p}, {args.max_new_tokens} new tokens per prompt, "
-          f"chain of {args.num_draft_tokens}, tree {args.tree_shape}\n")
+          f"chain of {args.num_draft_tokens}, tree {args.tree_shape}, one thread\n")
     prompts = args.prompt or PROMPTS
     input_ids, mask = _batch(tokenizer, prompts, args.device)
-    B = len(prompts)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    shape = [int(c) for c in args.tree_shape.split(",")]
-    results = []
-    for i, (label, kwargs) in enumerate(RUNS, 1):
-        rng = Philox(torch.arange(B, device=args.device) + args.seed)
-        show = _progress(label, i, len(RUNS), B * args.max_new_tokens)
-        if kwargs is None:
-            out = generate(target, input_ids, args.max_new_tokens, params, rng=rng, attention_mask=mask,
-                           on_step=show)
-        else:
-            tree = dict(tree_shape=shape) if kwargs["drafter"] == "tree" else {}
-            out = speculative_generate(target, draft, input_ids, args.max_new_tokens, params, rng=rng,
-                                       attention_mask=mask, num_draft_tokens=args.num_draft_tokens, on_step=show,
-                                       **tree, **kwargs)
-        show(out)
-        results.append((label, out))
+    methods = [Method(label, kwargs) for label, kwargs in RUNS]
+    outputs: dict[str, GenerationOutput] = {}
+
+    def keep(method: Method, out: GenerationOutput) -> None:
+        outputs[method.label] = out
+        show(method, out)
+
+    show = _progress(len(methods))
+    defaults = dict(num_draft_tokens=args.num_draft_tokens, tree_shape=[int(c) for c in args.tree_shape.split(",")])
+    records = time_methods(target, draft, input_ids, mask, args.max_new_tokens, params, methods, reps=1,
+                           seed=args.seed, defaults=defaults, on_run=keep)
     sys.stderr.write("\n")
 
     print("Texts (newlines shown as \\n):")
     for b, prompt in enumerate(prompts):
         print(f"\nprompt {b + 1}: {_one_line(prompt)}")
-        for label, out in results:
-            ids = [t for t in out.tokens[b].tolist() if t >= 0]
-            print(f"  {label:<28}{_one_line(tokenizer.decode(ids))}")
+        for m in methods:
+            ids = [t for t in outputs[m.label].tokens[b].tolist() if t >= 0]
+            print(f"  {m.label:<28}{_one_line(tokenizer.decode(ids))}")
 
-    plain = results[0][1].stats
+    plain_calls = outputs[methods[0].label].stats.target_calls
     print(f"\n{'method':<28}{'tokens/target call':>19}{'acceptance':>12}{'target calls':>14}{'draft calls':>13}"
-          f"{'wall s':>8}{'speedup (target calls)':>24}")
-    for label, out in results:
-        s = out.stats
+          f"{'wall s':>8}{'tokens/s':>10}{'speedup (wall)':>16}{'speedup (target calls)':>24}")
+    for m, rec in zip(methods, records):
+        s = outputs[m.label].stats
         acceptance = f"{s.acceptance_rate:.2f}" if s.draft_depth else "-"
-        print(f"{label:<28}{s.tokens_per_target_call:>19.2f}{acceptance:>12}{s.target_calls:>14}"
-              f"{s.draft_calls:>13}{s.wall_time_s:>8.2f}{plain.target_calls / s.target_calls:>23.2f}x")
-    print("\nEvery method's tokens follow the target's own sampling distribution exactly (tests/generate/test_generate.py);"
-          "\nthey differ from plain sampling's text only through different random draws. Wall time: models this"
-          "\nsmall cost about the same per call (mostly framework overhead), so fewer target calls only save time"
-          "\nwhen the target is much larger than the draft."
+        print(f"{m.label:<28}{s.tokens_per_target_call:>19.2f}{acceptance:>12}{s.target_calls:>14}"
+              f"{s.draft_calls:>13}{rec['wall_ms'] / 1e3:>8.2f}{rec['tokens_per_s']:>10.0f}{rec['speedup']:>15.2f}x"
+              f"{plain_calls / s.target_calls:>23.2f}x")
+    chain = next(r for r in records if r["settings"] and r["settings"].get("drafter") == "chain")
+    per_target = chain["target_forward_ms"] / max(1, chain["target_calls"])
+    per_draft = chain["draft_forward_ms"] / max(1, outputs[chain["method"]].stats.draft_calls)
+    print("\nEvery method's tokens follow the target's own sampling distribution exactly (tests/generate/);"
+          "\nthey differ from plain sampling's text only through different random draws. Speedup (wall): tokens"
+          "\nper second over plain sampling's (one thread). A step costs one target call and a draft call per"
+          "\ndraft level: fewer target calls save time only as far as a target call costs more than the draft's"
+          f"\ncalls. Here a target call took {per_target:.1f} ms and a draft call {per_draft:.1f} ms "
+          f"({per_target / per_draft:.1f}x); the n-gram drafter needs no draft calls."
           f"\nTotal {time.perf_counter() - started:.0f} s.")
     return 0
