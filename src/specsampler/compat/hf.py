@@ -7,8 +7,8 @@
   with specsampler, by ``method="token"`` or ``"block"`` (block verification accepts at least as
   many drafts in expectation, with the same lossless output).
 
-Tested with transformers 5.24; the signature also takes the 4.x form, where the fifth argument is
-``is_done_candidate`` (the last draft is an EOS, or reaches ``max_length``), up to the 4.56 floor.
+Tested with transformers 5.24 and 4.56.2 (the floor): the signature takes both forms, the 4.x
+one passing ``is_done_candidate`` (the last draft is an EOS, or reaches ``max_length``) fifth.
 transformers is imported only inside :func:`patched`.
 
 Differences from transformers: acceptance is the strict ``u * q(x) < p(x)`` (transformers:
