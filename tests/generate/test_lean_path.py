@@ -87,16 +87,50 @@ def test_lean_loop_draws_from_a_torch_generator_as_the_public_ops_do(pair, setup
     assert lean == public
 
 
-@pytest.mark.parametrize("setup", [SETUPS[0], SETUPS[7], SETUPS[8]], ids=["chain", "traversal", "target_only"])
-def test_lean_loop_gives_the_public_ops_tokens_on_the_built_in_pair(setup):
-    """Float32 models over 256 tokens, top-p 0.95 (nucleus rows, drafts without replacement losing children)."""
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("setup", [SETUPS[0], SETUPS[5], SETUPS[7], SETUPS[8]],
+                         ids=["chain", "rrs", "traversal", "target_only"])
+def test_lean_loop_gives_the_public_ops_tokens_on_the_built_in_pair(setup, B):
+    """Float32 models over 256 tokens, top-p 0.95 (short nucleus rows, drafts without replacement losing
+    children); one request walks by its plain loop, two by the batched walks."""
     from specsampler.generate.modelpair import load_pair
 
     target, draft, tok = load_pair()
-    ids, mask = batch([tok.encode("def read_config(path):\n    "), tok.encode("import os\n")])
+    ids, mask = batch([tok.encode("def read_config(path):\n    "), tok.encode("import os\n")][:B])
     params = ss.SamplingParams(temperature=0.8, top_p=0.95)
-    lean, public, _ = both(target, draft, ids, mask, 32, params, setup, lambda: ss.Philox(torch.tensor([0, 1])))
+    lean, public, _ = both(target, draft, ids, mask, 32, params, setup, lambda: ss.Philox(torch.arange(B)))
     assert lean == public
+
+
+def test_short_row_processing_equals_process():
+    """The short-row path of the loop's processing gives process()'s numbers and draws (ties, masked
+    tokens, temperatures, top-p values, vocabularies of 64 to 1024), and declines what it does not cover."""
+    from specsampler.sampling.ops import _process_small, _small_constants
+    from specsampler.sampling.processing import process
+
+    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    for trial in range(200):
+        V, R = [64, 128, 256, 512, 1024][trial % 5], 1 + trial % 7
+        x = torch.randn(R, V, generator=g) * float(torch.rand(1, generator=g) * 8)
+        if trial % 3 == 0:
+            x = x.round()  # ties
+        if trial % 4 == 0:
+            x[:, :5] = float("-inf")
+        rp = ss.SamplingParams(temperature=[0.3, 0.8, 1.0, 1.7][trial % 4], top_p=[0.5, 0.9, 0.95, 0.999][trial % 3]
+                               ).rows("t", R, 1, cpu, False)
+        fast, want = _process_small(x, _small_constants(rp, V)), process(x, rp, logits=True)
+        u = torch.rand(R, generator=g)
+        assert torch.equal(fast.dense(), want.dense()) and torch.equal(fast.sample(u), want.sample(u)), trial
+    x = torch.randn(2, 256)
+    x[1, 3] = float("inf")
+    rp = ss.SamplingParams(top_p=0.9).rows("t", 2, 1, cpu, False)
+    assert _process_small(x, _small_constants(rp, 256)) is None  # a row without a finite top: process() instead
+    for params, V in ((ss.SamplingParams(top_p=0.9, top_k=5), 256), (ss.SamplingParams(temperature=0.0), 256),
+                      (ss.SamplingParams(top_p=1.0), 256), (ss.SamplingParams(top_p=0.9, min_p=0.1), 256),
+                      (ss.SamplingParams(top_p=0.9), 100), (ss.SamplingParams(top_p=0.9), 2048),
+                      (ss.SamplingParams(top_p=torch.tensor([0.9, 0.8])), 256)):
+        assert _small_constants(params.rows("t", 2, 1, cpu, False), V) is None
 
 
 @pytest.mark.parametrize("seed,offset", [(3, 0), (torch.tensor([1, -2, 2**62]), torch.tensor([5, 2**40, -7])),

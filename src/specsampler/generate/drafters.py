@@ -21,8 +21,8 @@ from torch import Tensor
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_SAMPLE
-from ..sampling.ops import sample
-from ..sampling.processing import process, sample_by_inversion
+from ..sampling.ops import _process_prepared, _small_constants, sample
+from ..sampling.processing import Processed, sample_by_inversion
 from .cache import ModelCache
 from .draws import Call, Draws
 from .layout import TreeLayout
@@ -30,17 +30,24 @@ from .layout import TreeLayout
 
 class RowsOf:
     """A :class:`SamplingParams`' per-row parameters for ``M`` rows per request, built (and
-    validated) once per M."""
+    validated) once per M, with the constants of the short-row processing where it applies."""
 
     def __init__(self, params: SamplingParams, batch: int, device: torch.device, op: str):
         self.params, self.batch, self.device, self.op = params, batch, device, op
-        self._rows: dict[int, RowParams] = {}
+        self._rows: dict[tuple[int, int], tuple[RowParams, tuple | None]] = {}
 
-    def __call__(self, per_request: int) -> RowParams:
-        rp = self._rows.get(per_request)
-        if rp is None:
-            rp = self._rows[per_request] = self.params.rows(self.op, self.batch, per_request, self.device, False)
-        return rp
+    def __call__(self, per_request: int, vocab: int = 0) -> tuple[RowParams, tuple | None]:
+        """The rows' parameters, and their :func:`_small_constants` over ``vocab`` tokens (or None)."""
+        out = self._rows.get((per_request, vocab))
+        if out is None:
+            rp = self.params.rows(self.op, self.batch, per_request, self.device, False)
+            out = self._rows[(per_request, vocab)] = rp, _small_constants(rp, vocab) if vocab else None
+        return out
+
+    def process(self, logits: Tensor) -> Processed:
+        """The processed distributions of ``logits`` ``[B, M, V]``, rows ``[B * M, V]``."""
+        B, M, V = logits.shape
+        return _process_prepared(logits.reshape(-1, V), *self(M, V))
 
 
 def draw_rows(weights: Tensor, batch: int, call: Call) -> Tensor:
@@ -89,8 +96,7 @@ class ModelDrafter:
 
     def _probs(self, logits: Tensor) -> Tensor:
         """float32 ``[B, n, V]``: the processed distributions of ``logits`` ``[B, n, V]``."""
-        B, n, V = logits.shape
-        return process(logits.reshape(-1, V), self.rows(n), logits=True).dense().view(B, n, V)
+        return self.rows.process(logits).dense().view(logits.shape)
 
     def _children(self, q: Tensor, c: int, calls: list[Call]) -> tuple[Tensor, Tensor | None, Tensor]:
         """``c`` children of each of the ``P`` parents of ``q`` float32 ``[B, P, V]``: tokens int64

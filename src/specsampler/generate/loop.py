@@ -41,7 +41,6 @@ from ..kernels import use_triton
 from ..params import SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox
 from ..sampling.ops import sample_from_logits
-from ..sampling.processing import process
 from ..validation import check_tensor, fail
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _verify_tree_prepared
@@ -186,7 +185,7 @@ def _sample(logits: Tensor, params: SamplingParams, rows: RowsOf, call: Call) ->
     ``call``'s random stream. int64 ``[B]``."""
     if use_triton(logits.device):
         return sample_from_logits(logits, params, call.rng).tokens
-    return process(logits, rows(1), logits=True).sample(call.uniform(STREAM_SAMPLE, 1).reshape(-1))
+    return rows.process(logits[:, None]).sample(call.uniform(STREAM_SAMPLE, 1).reshape(-1))
 
 
 # ------------------------------------------------------------------------------ plain sampling
@@ -450,14 +449,16 @@ class _Run:
             check = calls[-1]
             if tree:
                 links = layout.links(B, dev, d.present)
+                rp, small = self.rows(N, V)
                 res = _verify_tree_prepared(logits, d.tokens, links, d.q_parent, links.usable, method,
-                                            verify_sampling, self.params, self.rows(N), check.rng, check.uniform)
+                                            verify_sampling, self.params, rp, check.rng, check.uniform, small)
                 host = torch.cat([res.num_accepted[:, None], res.tokens, res.path], 1).tolist()
                 path = res.path
             else:
                 q = d.q_parent[:, 1:] if sampled else None
+                rp, small = self.rows(D + 1, V)
                 res = _verify_chain_prepared(logits, d.tokens[:, 1:], q, whole[1], whole[0], method, self.params,
-                                             self.rows(D + 1), check.rng, check.uniform)
+                                             rp, check.rng, check.uniform, small)
                 host = torch.cat([res.num_accepted[:, None], res.tokens], 1).tolist()
                 path = None
             n = res.num_accepted
@@ -497,8 +498,9 @@ class _Run:
             causal = tree_layout((1,) * K).bias(dev, self.target.dtype)  # a chain's mask
             logits = self.target.forward(chain, self.pos_root[:, None] + steps, causal)
             check = self.streams.step(plan)[0]
+            rp, small = self.rows(K + 1, logits.shape[-1])
             res = _verify_chain_prepared(logits, chain[:, 1:], None, num, steps[:K] < num[:, None], self.method,
-                                         self.params, self.rows(K + 1), check.rng, check.uniform)
+                                         self.params, rp, check.rng, check.uniform, small)
             host = torch.cat([res.num_accepted[:, None], res.tokens], 1).tolist()
             accepted = [row[0] for row in host]
             tokens = [row[1:] for row in host]

@@ -20,7 +20,7 @@ from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..sampling.processing import Processed, process, row_sum, sample_by_inversion
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
-from ..sampling.ops import logit_inputs, logit_rows
+from ..sampling.ops import _process_prepared, logit_inputs, logit_rows
 from ..validation import (
     check_device,
     check_logits_values,
@@ -363,14 +363,15 @@ def verify_chain_from_logits(
 
 def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor | None, num_drafts: Tensor,
                            usable: Tensor, method: str, params: SamplingParams | None, rp: RowParams, rng,
-                           draw: Callable[[int, int], Tensor]) -> ChainResult:
+                           draw: Callable[[int, int], Tensor], small=None) -> ChainResult:
     """:func:`verify_chain_from_logits` without its checks, for inputs the caller built and knows valid.
 
     logits: float32 ``[B, K+1, V]``; drafts: int64 ``[B, K]`` in ``[0, V)``; draft_probs:
     float32 ``[B, K, V]`` (token, block) or None; num_drafts: int64 ``[B]``; usable: bool
     ``[B, K]``, position < num_drafts; method: a resolved method; rp: the parameters of the
-    ``B * (K+1)`` rows; ``draw(stream, count)``: the uniforms the public op would draw from
-    ``rng`` (kernels draw from ``rng`` themselves). The same tokens as the public op.
+    ``B * (K+1)`` rows, and ``small`` their :func:`_small_constants` (or None); ``draw(stream,
+    count)``: the uniforms the public op would draw from ``rng`` (kernels draw from ``rng``
+    themselves). The same tokens as the public op.
     """
     B, K1, V = logits.shape
     c = _Chain(B, K1 - 1, V, method, drafts, drafts, usable, num_drafts, draft_probs)
@@ -380,4 +381,4 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     x = logits.view(-1, V)
     if method == "greedy":
         return _verify(c, None, x.argmax(-1).view(B, K1), rng, op, draw)
-    return _verify(c, process(x, rp, logits=True), None, rng, op, draw)
+    return _verify(c, _process_prepared(x, rp, small), None, rng, op, draw)

@@ -20,7 +20,7 @@ from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..sampling.processing import SCRATCH, Processed, process, row_sum, sample_by_inversion
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
-from ..sampling.ops import logit_inputs
+from ..sampling.ops import _process_prepared, logit_inputs
 from .token_tree import TokenTree
 from ..validation import (
     check_device,
@@ -525,7 +525,7 @@ class _AllRows(_Rows):
 
 def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Tensor | None, usable: Tensor,
                           method: str, draft_sampling: str, params: SamplingParams | None, rp: RowParams, rng,
-                          draw: Callable[[int, int], Tensor]) -> TreeResult:
+                          draw: Callable[[int, int], Tensor], small=None) -> TreeResult:
     """:func:`verify_tree_from_logits` without its checks, for inputs the caller built and knows valid.
 
     logits: float32 ``[B, N, V]``; drafts: int64 ``[B, N]`` in ``[0, V)``; tree: a
@@ -533,15 +533,79 @@ def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Ten
     ``depth``, ``sibling_rank`` (int64 ``[B, N]``, contiguous) and ``max_depth`` (an int, at
     least the deepest present node's depth); draft_probs: float32 ``[B, N, V]`` (rrs,
     traversal) or None; usable: bool ``[B, N]``, the present non-root nodes; method: a
-    resolved method; rp: the parameters of the ``B * N`` rows; ``draw(stream, count)``: the
-    uniforms the public op would draw from ``rng`` (kernels draw from ``rng`` themselves).
-    Every row is processed at once (:class:`_AllRows`). The same tokens as the public op.
+    resolved method; rp: the parameters of the ``B * N`` rows, and ``small`` their
+    :func:`_small_constants` (or None); ``draw(stream, count)``: the uniforms the public op
+    would draw from ``rng`` (kernels draw from ``rng`` themselves).
+    Every row is processed at once (:class:`_AllRows`). On the CPU, greedy and target-only walks
+    draw at every node at once and walk on the host (:func:`_walk_draws_host`), and one request's
+    rrs or traversal walk is its plain loop (:func:`_walk_one`). The same tokens as the public op.
     """
     B, N, V = logits.shape
     c = _Tree(B, N, V, method, draft_sampling, tree, drafts, drafts, usable, draft_probs)
+    cpu = logits.device.type == "cpu"
     if use_triton(logits.device):
         path, n, y = _walk_kernel(c, logits, rng, "speculative_generate", rp, None)
     else:
-        proc = None if method == "greedy" else process(logits.view(-1, V), rp, logits=True)
-        path, n, y = _WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw)
+        proc = None if method == "greedy" else _process_prepared(logits.view(-1, V), rp, small)
+        if cpu and method in ("greedy", "target_only"):
+            path, n, y = _walk_draws_host(c, logits, proc, draw)
+        elif cpu and B == 1:
+            path, n, y = _walk_one(c, proc.dense(), draw)
+        else:
+            path, n, y = _WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw)
     return _finish(c, path, n, y, n.float() if method == "greedy" else None)
+
+
+def _kids(tree, b: int) -> list[list[int]]:
+    """Each node's children of request b, in the order siblings are tried."""
+    first, following = tree.first_child[b].tolist(), tree.next_sibling[b].tolist()
+    kids = []
+    for kid in first:
+        mine = []
+        while kid >= 0:
+            mine.append(kid)
+            kid = following[kid]
+        kids.append(mine)
+    return kids
+
+
+def _paths(c: _Tree, walks: list[tuple[list[int], int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Each request's (accepted nodes from the root, emitted token) as path ``[B, D+1]``, counts, tokens."""
+    path = torch.full((c.B, c.tree.max_depth + 1), -1, dtype=torch.int64)
+    for b, (nodes, _) in enumerate(walks):
+        path[b, : len(nodes)] = torch.tensor(nodes)
+    return path, torch.tensor([len(nodes) - 1 for nodes, _ in walks]), torch.tensor([y for _, y in walks])
+
+
+def _walk_draws_host(c: _Tree, logits: Tensor, proc: Processed | None,
+                     draw: Callable[[int, int], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """greedy / target_only: every node's draw at once (a node's draw is its own whether or not the
+    walk reaches it: the same numbers as :func:`_walk_draws`), then each request's walk on the host."""
+    if c.method == "greedy":
+        drawn = logits.argmax(-1)
+    else:
+        drawn = proc.sample(draw(STREAM_SAMPLE, c.N).reshape(-1)).view(c.B, c.N)
+    drawn, tokens, usable = drawn.tolist(), c.x.tolist(), c.usable.tolist()
+    walks = []
+    for b in range(c.B):
+        kids, nodes = _kids(c.tree, b), [0]
+        while True:
+            y = drawn[b][nodes[-1]]
+            nxt = next((k for k in kids[nodes[-1]] if usable[b][k] and tokens[b][k] == y), -1)
+            if nxt < 0:
+                break
+            nodes.append(nxt)
+        walks.append((nodes, y))
+    return _paths(c, walks)
+
+
+def _walk_one(c: _Tree, p: Tensor, draw: Callable[[int, int], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """rrs or traversal for one request by its plain loop (:mod:`.reference`, tested equal to the
+    batched walks), on its dense target rows ``p`` ``[N, V]``: a request's walk costs a few
+    operations on single rows per node where the batched walk's cost tens of gathers and scatters."""
+    from . import reference
+
+    u_accept, u_draw = draw(STREAM_ACCEPT, c.N)[0], draw(STREAM_SAMPLE, c.N)[0]  # the batched walks' order
+    walk = reference.tree_rrs if c.method == "rrs" else reference.tree_traversal
+    return _paths(c, [walk(p, c.q[0], c.x_raw[0].tolist(), _kids(c.tree, 0), u_accept, u_draw,
+                           c.sampling == "without_replacement")])
