@@ -132,9 +132,9 @@ def _check(case: ChainCase, from_logits: bool):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_chain_gives_a_clear_error_or_a_valid_chain_result(backend):
-    fuzz("verify_chain", backend, chain_cases(backend, False), lambda case: _check(case, False), n=(80, 10))
+    fuzz("verify_chain", backend, chain_cases(backend, False), lambda case: _check(case, False), n=(80, 30))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_chain_from_logits_gives_a_clear_error_or_a_valid_chain_result(backend):
-    fuzz("verify_chain_from_logits", backend, chain_cases(backend, True), lambda case: _check(case, True), n=(80, 10))
+    fuzz("verify_chain_from_logits", backend, chain_cases(backend, True), lambda case: _check(case, True), n=(80, 25))

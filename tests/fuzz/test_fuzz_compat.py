@@ -214,4 +214,4 @@ def _body(case: CompatCase) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compat_functions_give_a_value_error_or_tokens_in_range(backend):
-    fuzz("compat", backend, compat_cases(backend), _body, n=(150, 12))
+    fuzz("compat", backend, compat_cases(backend), _body, n=(150, 25))

@@ -125,7 +125,7 @@ def test_mlc_batch_spec_verify_gives_a_clear_error_or_node_pointers_in_range(bac
                 ends = torch.cat([starts[1:], torch.tensor([num_nodes])])
                 assert bool(((ptr.long() >= starts) & (ptr.long() < ends)).all()), "a walk left its tree"
 
-    fuzz("mlc.batch_spec_verify", backend, spec_cases(backend), body, n=(80, 10))
+    fuzz("mlc.batch_spec_verify", backend, spec_cases(backend), body, n=(80, 25))
 
 
 # ----------------------------------------------------------------------------- mlc.Sampler

@@ -208,11 +208,13 @@ def test_renorm_filters_and_sample_give_a_clear_error_or_outputs_in_range(backen
         if out.error is not None:
             return
         clean = case.values.kind in ("clean", "unnormalised", "tiny")
+        # the Triton interpreter converts bf16 to float32 flushing subnormals to 0 (a GPU converts them exactly)
+        flushed = backend == "triton" and case.values.kind == "tiny" and case.values.dtype == torch.bfloat16
         if case.op == "sample":
             tokens = out.result
             assert tokens.shape == case.shape[:-1]
             assert_ids(tokens, V, pad=False, what="sample")
-            if clean:
+            if clean and not flushed:
                 p = probs.float()
                 drawn = p.gather(-1, tokens[..., None])[..., 0]
                 assert bool((drawn[p.sum(-1) > 0] > 0).all()), "a token of probability 0 drawn from a row with mass"
@@ -228,5 +230,5 @@ def test_renorm_filters_and_sample_give_a_clear_error_or_outputs_in_range(backen
             ok = ((sums - 1).abs() < 1e-4) | (sums == 0) | (tiny & (sums <= 1))
             assert bool(ok.all()), f"row sums {sums.flatten()[:8].tolist()}"
 
-    fuzz("renorm_and_sample", backend, probs_cases(backend), body, n=(80, 8))
+    fuzz("renorm_and_sample", backend, probs_cases(backend), body, n=(80, 10))
 

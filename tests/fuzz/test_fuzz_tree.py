@@ -130,12 +130,12 @@ def _check(case: TreeCase, from_logits: bool):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_tree_gives_a_clear_error_or_a_path_of_the_tree(backend):
-    fuzz("verify_tree", backend, tree_cases(backend, False), lambda case: _check(case, False), n=(100, 12))
+    fuzz("verify_tree", backend, tree_cases(backend, False), lambda case: _check(case, False), n=(100, 30))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_tree_from_logits_gives_a_clear_error_or_a_path_of_the_tree(backend):
-    fuzz("verify_tree_from_logits", backend, tree_cases(backend, True), lambda case: _check(case, True), n=(100, 12))
+    fuzz("verify_tree_from_logits", backend, tree_cases(backend, True), lambda case: _check(case, True), n=(100, 25))
 
 
 # ----------------------------------------------------------------------------- TokenTree constructors

@@ -122,3 +122,23 @@ def test_mlc_kernel_stays_in_bounds_whatever_the_links(device_like):
     ptr = torch.tensor([0, n + 4, -3, 2**40])
     mlc.batch_spec_verify(draft, tokens, model, first_child, next_sibling, u, ptr)
     assert _in_range(ptr, 0, n)
+
+
+def test_the_bounds_check_catches_a_load_past_a_tensor():
+    # the harness itself: a kernel reading one element past its input is caught, one reading inside is not
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, shift):
+        offs = tl.arange(0, 8)
+        tl.store(dst + offs, tl.load(src + offs + shift))
+
+    src, dst = torch.arange(8, dtype=torch.float32), torch.empty(8)
+    if src.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the bounds check runs in the Triton interpreter")
+    with bounds_checked():
+        copy[(1,)](src, dst, 0)
+        assert torch.equal(dst, src)
+        with pytest.raises(Exception, match="OutOfBounds.*copy: load of 4 bytes"):  # as the interpreter wraps it
+            copy[(1,)](src, dst, 1)
