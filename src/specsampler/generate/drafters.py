@@ -50,10 +50,11 @@ class RowsOf:
         return _process_prepared(logits.reshape(-1, V), *self(M, V))
 
 
-def draw_rows(weights: Tensor, batch: int, call: Call) -> Tensor:
+def draw_rows(weights: Tensor, batch: int, call: Call, kernels: bool) -> Tensor:
     """One token per row of ``weights`` float32 ``[B * M, V]`` (request-major): the draws of
-    :func:`specsampler.sample` on ``call``'s random stream. int64 ``[B * M]``."""
-    if use_triton(weights.device):
+    :func:`specsampler.sample` on ``call``'s random stream (by its kernel where ``kernels``).
+    int64 ``[B * M]``."""
+    if kernels:
         return sample(weights.view(batch, -1, weights.shape[-1]), call.rng).view(-1)
     return sample_by_inversion(weights, call.uniform(STREAM_SAMPLE, weights.shape[0] // batch).reshape(-1))
 
@@ -93,6 +94,7 @@ class ModelDrafter:
     def __init__(self, state: ModelCache, layout: TreeLayout, rows: RowsOf, how: str, keep_q: bool):
         self.state, self.layout, self.rows, self.how, self.keep_q = state, layout, rows, how, keep_q
         self.vocab = 0  # the draft's vocabulary size, known after its first call
+        self.kernels = use_triton(state.bias.device)
 
     def _probs(self, logits: Tensor) -> Tensor:
         """float32 ``[B, n, V]``: the processed distributions of ``logits`` ``[B, n, V]``."""
@@ -107,11 +109,11 @@ class ModelDrafter:
         if self.how == "deterministic":
             return q.topk(min(c, V), -1).indices.reshape(B, -1), None, rows
         if self.how == "iid":
-            return draw_rows(rows.reshape(-1, V), B, calls.pop(0)).view(B, -1), None, rows
+            return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels).view(B, -1), None, rows
         left, xs, have = q.clone(), [], []
         for _ in range(c):  # without replacement: each draw removes its token from the parent's row
             have.append(left.sum(-1) > 0)
-            x = draw_rows(left.view(-1, V), B, calls.pop(0)).view(B, P)
+            x = draw_rows(left.view(-1, V), B, calls.pop(0), self.kernels).view(B, P)
             left.scatter_(-1, x[..., None], 0.0)
             xs.append(x)
         return torch.stack(xs, 2).reshape(B, -1), torch.stack(have, 2).reshape(B, -1), rows

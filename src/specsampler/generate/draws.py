@@ -26,12 +26,19 @@ _BLOCK_STEPS = 16  # steps whose uniforms are computed in one pass
 
 
 class Call:
-    """One random call: ``rng`` as the public op would receive it, and its uniforms."""
+    """One random call (the ``k``-th of ``streams``): its uniforms, and ``rng`` as the public op
+    would receive it."""
 
-    __slots__ = ("rng", "_pre", "_batch", "_device", "_op")
+    __slots__ = ("_streams", "_k", "_pre", "_batch", "_device", "_op")
 
-    def __init__(self, rng, pre: dict[int, Tensor] | None, batch: int, device: torch.device, op: str):
-        self.rng, self._pre, self._batch, self._device, self._op = rng, pre, batch, device, op
+    def __init__(self, streams: Streams, k: int, pre: dict[int, Tensor] | None):
+        self._streams, self._k, self._pre = streams, k, pre
+        self._batch, self._device, self._op = streams.batch, streams.device, streams.op
+
+    @property
+    def rng(self):
+        """``rng.advance(k)`` for a :class:`Philox` (made when asked: the kernels' input), else the rng."""
+        return self._streams.rng_at(self._k)
 
     def uniform(self, stream: int, count: int) -> Tensor:
         """float32 ``[B, count]``: the uniforms ``uniform(rng, .., count, stream, ..)`` would give
@@ -57,7 +64,7 @@ class Streams:
         self._plan: Plan | None = None
         self._ready: list[list[Call]] = []
 
-    def _rng_at(self, k: int):
+    def rng_at(self, k: int):
         return Philox(self._keys[0], self._keys[1] + k) if self._keys is not None else self.rng
 
     def call(self, draws: Draws) -> Call:
@@ -84,7 +91,7 @@ class Streams:
         return self._ready.pop(0)
 
     def _live(self, k: int) -> Call:
-        return Call(self._rng_at(k), None, self.batch, self.device, self.op)
+        return Call(self, k, None)
 
     def _compute(self, plan: Plan, steps: int) -> list[list[Call]]:
         """The calls of ``steps`` steps from the current offset, their uniforms from one Philox pass."""
@@ -105,7 +112,7 @@ class Streams:
                 for st, count in draws:
                     pre[st] = u[:, at: at + count].contiguous()  # as uniform() returns them
                     at += count
-                calls.append(Call(self._rng_at(self.calls + s * len(plan) + j), pre, self.batch, self.device, self.op))
+                calls.append(Call(self, self.calls + s * len(plan) + j, pre))
             out.append(calls)
         return out
 

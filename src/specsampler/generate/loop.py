@@ -398,6 +398,11 @@ class _Run:
         self.rows = RowsOf(params, self.B, self.dev, OP)
         self.target = ModelCache(target, self.B, self.dev)
         self.pos_root = real.long().sum(1)  # the root's position: tokens before it
+        self.kernels = use_triton(self.dev)
+
+    def rng_of(self, call: Call):
+        """The rng a verification's kernel draws from (the PyTorch path takes ``call.uniform``)."""
+        return call.rng if self.kernels else None
 
     def _first(self) -> Tensor:
         """Prefill the target and draw the first token (the first root), int64 ``[B]``."""
@@ -451,14 +456,14 @@ class _Run:
                 links = layout.links(B, dev, d.present)
                 rp, small = self.rows(N, V)
                 res = _verify_tree_prepared(logits, d.tokens, links, d.q_parent, links.usable, method,
-                                            verify_sampling, self.params, rp, check.rng, check.uniform, small)
+                                            verify_sampling, self.params, rp, self.rng_of(check), check.uniform, small)
                 host = torch.cat([res.num_accepted[:, None], res.tokens, res.path], 1).tolist()
                 path = res.path
             else:
                 q = d.q_parent[:, 1:] if sampled else None
                 rp, small = self.rows(D + 1, V)
                 res = _verify_chain_prepared(logits, d.tokens[:, 1:], q, whole[1], whole[0], method, self.params,
-                                             rp, check.rng, check.uniform, small)
+                                             rp, self.rng_of(check), check.uniform, small)
                 host = torch.cat([res.num_accepted[:, None], res.tokens], 1).tolist()
                 path = None
             n = res.num_accepted
@@ -500,7 +505,7 @@ class _Run:
             check = self.streams.step(plan)[0]
             rp, small = self.rows(K + 1, logits.shape[-1])
             res = _verify_chain_prepared(logits, chain[:, 1:], None, num, steps[:K] < num[:, None], self.method,
-                                         self.params, rp, check.rng, check.uniform, small)
+                                         self.params, rp, self.rng_of(check), check.uniform, small)
             host = torch.cat([res.num_accepted[:, None], res.tokens], 1).tolist()
             accepted = [row[0] for row in host]
             tokens = [row[1:] for row in host]

@@ -257,19 +257,19 @@ _LOG2E = math.log2(math.e)
 _SMALL_V = 1024  # process() orders top-p rows this short whole, and so does _process_small
 
 
-def _small_constants(rp: RowParams, V: int) -> tuple[Tensor, Tensor, Tensor] | None:
+def _small_constants(rp: RowParams, V: int) -> tuple[Tensor, ...] | None:
     """The per-row constants :func:`_process_small` takes for rows ``rp`` over ``V`` tokens
-    (``log2(e) / T`` and its negative ``[R, 1]``, top-p ``[R, 1]``), or None where it does not
+    (``log2(e) / T`` and its negative ``[R, 1]``, top-p ``[R, 1]``, a zero), or None where it does not
     apply: rows not sharing scalar parameters, top-k, greedy, no top-p, min-p, or V not a
     multiple of 64 up to 1024."""
     s = rp.shared
     if s is None or V > _SMALL_V or V % 64 or s.temperature == 0 or 0 < s.top_k < V or s.top_p >= 1 or s.min_p:
         return None
     c = torch.full_like(rp.temperature, _LOG2E).div_(rp.temperature)[:, None]
-    return c, -c, rp.top_p[:, None]
+    return c, -c, rp.top_p[:, None], torch.zeros((), device=c.device)
 
 
-def _process_small(x: Tensor, constants: tuple[Tensor, Tensor, Tensor]) -> Processed | None:
+def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None:
     """``process(x, rp, logits=True)`` for top-p rows over a short vocabulary, in a third of its ops.
 
     x: float32 ``[R, V]``; constants: :func:`_small_constants`. The same arithmetic as
@@ -278,19 +278,21 @@ def _process_small(x: Tensor, constants: tuple[Tensor, Tensor, Tensor]) -> Proce
     :func:`padded_row_sum`), so the same numbers; returned dense, which samples and reads as the
     candidates in id order do. None where a row's largest logit is not finite (use :func:`process`).
     """
-    c, neg_c, top_p = constants
+    c, neg_c, top_p, zero = constants
     vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
     top = vals[:, :1]
-    if not bool(torch.isfinite(top).all()):
+    if not all(map(math.isfinite, top.view(-1).tolist())):
         return None
     w = torch.addcmul(top * neg_c, vals, c).exp2_()  # top * -c: bit for bit process()'s -top * c
     cum = w.cumsum(-1)
-    kept = torch.where(torch.nn.functional.pad(cum[:, :-1], (1, 0)) < top_p * cum[:, -1:], w, 0.0)
-    kept.div_(padded_row_sum(kept, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny))
+    kept = torch.where(torch.nn.functional.pad(cum[:, :-1], (1, 0)) < top_p * cum[:, -1:], w, zero)
+    # one block of 256 is padded_row_sum's plain sum
+    total = kept.sum(-1, keepdim=True) if kept.shape[1] == 256 else padded_row_sum(kept, keepdim=True)
+    kept.div_(total.clamp_(min=torch.finfo(torch.float32).tiny))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 
-def _process_prepared(x: Tensor, rp: RowParams, constants: tuple[Tensor, Tensor, Tensor] | None) -> Processed:
+def _process_prepared(x: Tensor, rp: RowParams, constants: tuple[Tensor, ...] | None) -> Processed:
     """``process(x, rp, logits=True)``, by :func:`_process_small` where its ``constants`` are given and it applies."""
     out = _process_small(x, constants) if constants is not None else None
     return out if out is not None else process(x, rp, logits=True)
