@@ -212,3 +212,16 @@ def test_the_cache_argument_follows_the_models_forward():
             return input_ids
 
     assert cache_argument(New()) == "cache" and cache_argument(Old()) == "past_key_values"
+
+
+@pytest.mark.parametrize("setup", [SETUPS[0], SETUPS[7]], ids=["chain", "traversal"])
+def test_lean_loop_on_the_kernels_gives_the_public_ops_tokens(pair, setup, monkeypatch):
+    """Where the Triton kernels run (here the interpreter: slow, so short), the loop samples and verifies by them."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    target, draft = pair
+    ids, mask = batch([[3, 8, 1, 22, 5, 9], [7, 7, 30, 2, 7, 7]])
+    setup = setup[:3] + ([2, 1] if setup[0] == "tree" else None,)
+    lean, public, _ = both(target, draft, ids, mask, 6, ss.SamplingParams(temperature=0.9, top_p=0.9), setup,
+                           lambda: ss.Philox(torch.tensor([1, 2])))
+    assert lean == public
