@@ -301,11 +301,27 @@ class Values:
     dtype: torch.dtype
     kind: str
     where: str  # "one" (one entry), "some" (a random subset), "row" (a whole last-dim row), "all"
+    layout: str = "contiguous"  # or "strided" (rows inside wider rows of NaN), "swapped" (dims 0 and 1 in memory)
+
+
+LAYOUTS = ("contiguous", "contiguous", "strided", "swapped")
+
+
+def relayout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in another memory layout: a view into a wider buffer padded with NaN (a kernel reading
+    past a row reads NaN), or with the first two dims swapped in memory."""
+    if layout == "strided" and t.dim():
+        buf = torch.full((*t.shape[:-1], t.shape[-1] + 3), float("nan"), dtype=t.dtype)
+        buf[..., 1 : t.shape[-1] + 1] = t
+        return buf[..., 1 : t.shape[-1] + 1]
+    if layout == "swapped" and t.dim() >= 2:
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    return t
 
 
 def values_strategy(classes: Sequence[str], dtypes: Sequence[torch.dtype] = (torch.float32,)) -> st.SearchStrategy:
     return st.builds(Values, st.integers(0, 2**31 - 1), st.sampled_from(dtypes), st.sampled_from(classes),
-                     st.sampled_from(("one", "some", "row", "all")))
+                     st.sampled_from(("one", "some", "row", "all")), st.sampled_from(LAYOUTS))
 
 
 def garbage_strategy(classes: Sequence[str], dtypes: Sequence[torch.dtype] = (torch.float32,)) -> st.SearchStrategy:
@@ -313,7 +329,7 @@ def garbage_strategy(classes: Sequence[str], dtypes: Sequence[torch.dtype] = (to
     out-of-range outputs rather than for rejections."""
     bad = [c for c in classes if c not in ("clean", "unnormalised", "masked")]
     return st.builds(Values, st.integers(0, 2**31 - 1), st.sampled_from(dtypes), st.sampled_from(bad),
-                     st.sampled_from(("some", "row", "all")))
+                     st.sampled_from(("some", "row", "all")), st.sampled_from(LAYOUTS))
 
 
 def _where(g: torch.Generator, shape: tuple[int, ...], where: str) -> torch.Tensor:
@@ -357,7 +373,7 @@ def make_probs(v: Values, shape: tuple[int, ...]) -> torch.Tensor:
     fill = {"huge": big, "nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "negative": -0.25}
     if v.kind in fill:
         p = p.masked_fill(at, fill[v.kind])
-    return p
+    return relayout(p, v.layout)
 
 
 def make_logits(v: Values, shape: tuple[int, ...]) -> torch.Tensor:
@@ -376,7 +392,7 @@ def make_logits(v: Values, shape: tuple[int, ...]) -> torch.Tensor:
         x = torch.where(at, torch.where(torch.rand(shape, generator=g) < 0.5, big, -big).to(v.dtype), x)
     elif v.kind in ("nan", "inf"):
         x = x.masked_fill(at, float(v.kind))
-    return x
+    return relayout(x, v.layout)
 
 
 def bad_probs(p: torch.Tensor, live: torch.Tensor | None = None) -> bool:
