@@ -83,8 +83,8 @@ def logit_inputs(op, logits, params, vocab_mask, full) -> tuple[RowParams, Tenso
             fail(op, "vocab_mask", f"a shape broadcastable to logits {shape_str(logits.shape)}",
                  shape_str(vocab_mask.shape))
         if full:
-            none_allowed = ~mask.any(-1)
-            check_no_bad(op, "vocab_mask", none_allowed, none_allowed, "at least one allowed token per row")
+            allowed = mask.sum(-1)  # quoted: a row's count of allowed tokens, 0
+            check_no_bad(op, "vocab_mask", allowed == 0, allowed, "at least one allowed token per row")
     if full:
         check_logits_values(op, "logits", logits)
     return rp, mask, B, M
