@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -56,6 +57,27 @@ PROFILE = settings.get_profile("specsampler-fuzz-full" if FULL else "specsampler
 
 # Examples run per (test, back end), recorded for the README's figures (docs/error-policy.md).
 EXAMPLES_RUN: dict[str, int] = {}
+
+
+class _Report:
+    """Shows :data:`EXAMPLES_RUN` at the end of a run in one process (``-n 0``; pytest-xdist workers keep
+    their own counts). A plugin registered by :func:`fuzz_report`, not a conftest: tests import
+    ``conftest`` by name, and a second one on the path would shadow theirs."""
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not EXAMPLES_RUN:
+            return
+        terminalreporter.section(f"fuzz examples run ({'full size' if FULL else 'CI size'})")
+        for name, count in sorted(EXAMPLES_RUN.items()):
+            terminalreporter.write_line(f"{name:48s} {count:7d}")
+        terminalreporter.write_line(f"{'total':48s} {sum(EXAMPLES_RUN.values()):7d}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fuzz_report(pytestconfig):
+    """Import into a test module to report its examples (autouse)."""
+    if not pytestconfig.pluginmanager.has_plugin("specsampler-fuzz-report"):
+        pytestconfig.pluginmanager.register(_Report(), "specsampler-fuzz-report")
 
 
 def examples(torch_n: int, triton_n: int, backend: str) -> int:

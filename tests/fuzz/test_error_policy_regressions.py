@@ -136,3 +136,12 @@ def test_full_validation_rejects_probabilities_whose_sum_overflows():
     sampler = ss.mlc.Sampler.create_cpu_sampler()
     with pytest.raises(ss.ValidationError, match=r"probs \(row sum\)"):
         sampler.batch_renormalize_probs_by_top_p(probs, [0], ["r"], [ss.mlc.GenerationConfig()], validate="full")
+
+
+def test_an_empty_vocab_mask_row_is_quoted_by_its_count_of_allowed_tokens():
+    # the message quoted the bad flag itself ("got True")
+    mask = torch.ones(2, 3, 5, dtype=torch.bool)
+    mask[1, 2] = False
+    with pytest.raises(ss.ValidationError, match=r"vocab_mask: expected at least one allowed token per row, got 0 "
+                                                  r"at flat position 2 \(request 1\)"):
+        ss.sample_from_logits(torch.randn(2, 3, 5), vocab_mask=mask, validate="full")

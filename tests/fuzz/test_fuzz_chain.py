@@ -26,6 +26,7 @@ from fuzzkit import (
     call_contract,
     check_chain_result,
     fuzz,
+    fuzz_report,  # noqa: F401  (autouse: the examples-run report)
     garbage_strategy,
     ids_strategy,
     make_ids,

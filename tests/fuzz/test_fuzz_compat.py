@@ -18,6 +18,7 @@ from fuzzkit import (
     assert_ids,
     assert_unchanged,
     fuzz,
+    fuzz_report,  # noqa: F401  (autouse: the examples-run report)
     garbage_strategy,
     ids_strategy,
     make_ids,

@@ -23,6 +23,7 @@ from fuzzkit import (
     build_rng,
     call_contract,
     fuzz,
+    fuzz_report,  # noqa: F401  (autouse: the examples-run report)
     garbage_strategy,
     ids_strategy,
     make_ids,

@@ -24,6 +24,7 @@ from fuzzkit import (
     build_rng,
     call_contract,
     fuzz,
+    fuzz_report,  # noqa: F401  (autouse: the examples-run report)
     make_logits,
     make_probs,
     mask_has_empty_row,
