@@ -161,6 +161,6 @@ def demo(args: argparse.Namespace) -> int:
           "\nper second over plain sampling's (one thread). A step costs one target call and a draft call per"
           "\ndraft level: fewer target calls save time only as far as a target call costs more than the draft's"
           f"\ncalls. Here a target call took {per_target:.1f} ms and a draft call {per_draft:.1f} ms "
-          f"({per_target / per_draft:.1f}x); the n-gram drafter needs no draft calls."
+          f"({per_target / per_draft:.1f}x);\nthe n-gram drafter needs no draft calls."
           f"\nTotal {time.perf_counter() - started:.0f} s.")
     return 0

@@ -106,7 +106,7 @@ def time_methods(target, draft, input_ids: torch.Tensor, attention_mask: torch.T
     ``library_ms`` (wall minus forward), ``library_ms_per_step``, ``forward_ms_per_step``,
     ``library_share`` (library over forward time), ``tokens_per_s`` (wall clock),
     ``speedup`` (over the first method's tokens per second, plain sampling where it is first),
-    ``target_calls``, ``tokens_per_target_call`` and ``acceptance``. Every run of a method
+    ``target_calls``, ``draft_calls``, ``tokens_per_target_call`` and ``acceptance``. Every run of a method
     generates the same tokens (same seed), so the rounds differ in time only.
     ``defaults``: :func:`speculative_generate` arguments every speculative method gets unless
     it sets them (``tree_shape`` only reaches tree drafters). ``on_run``: called after each
@@ -160,6 +160,7 @@ def time_methods(target, draft, input_ids: torch.Tensor, attention_mask: torch.T
             "library_share": round(lib / fwd, 4) if fwd > 0 else None,
             "tokens_per_s": round(tokens / wall, 1),
             "target_calls": s.target_calls,
+            "draft_calls": s.draft_calls,
             "tokens_per_target_call": round(s.tokens_per_target_call, 3),
             "acceptance": round(s.acceptance_rate, 3) if s.draft_depth else None,
             "reps": reps,
