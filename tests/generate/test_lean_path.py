@@ -222,6 +222,6 @@ def test_lean_loop_on_the_kernels_gives_the_public_ops_tokens(pair, setup, monke
     target, draft = pair
     ids, mask = batch([[3, 8, 1, 22, 5, 9], [7, 7, 30, 2, 7, 7]])
     setup = setup[:3] + ([2, 1] if setup[0] == "tree" else None,)
-    lean, public, _ = both(target, draft, ids, mask, 6, ss.SamplingParams(temperature=0.9, top_p=0.9), setup,
+    lean, public, _ = both(target, draft, ids, mask, 4, ss.SamplingParams(temperature=0.9, top_p=0.9), setup,
                            lambda: ss.Philox(torch.tensor([1, 2])))
     assert lean == public
