@@ -145,3 +145,14 @@ def test_an_empty_vocab_mask_row_is_quoted_by_its_count_of_allowed_tokens():
     with pytest.raises(ss.ValidationError, match=r"vocab_mask: expected at least one allowed token per row, got 0 "
                                                   r"at flat position 2 \(request 1\)"):
         ss.sample_from_logits(torch.randn(2, 3, 5), vocab_mask=mask, validate="full")
+
+
+def test_a_row_whose_largest_logit_is_not_finite_has_no_mass(backend):
+    # the kernels described such a row with m = 0 and kept exp(x) weights: token 2 of [inf, 0, 1] was drawn with
+    # log-probability +88 (+inf for [inf]; a NaN among the kept weights, +87); the reference gives no mass
+    logits = torch.tensor([[float("inf"), 0.0, 1.0], [float("inf"), float("-inf"), 0.0], [float("nan"), 0.0, 1.0]])
+    for params in (ss.SamplingParams(), ss.SamplingParams(top_k=2), ss.SamplingParams(top_p=0.5, min_p=0.1)):
+        out = ss.sample_from_logits(logits, params, ss.Philox(torch.arange(3)))
+        assert bool(((out.tokens >= 0) & (out.tokens < 3)).all())
+        assert bool((out.logprobs[:2] == float("-inf")).all()), out.logprobs
+        assert bool((out.logprobs[2] <= 0).all()), out.logprobs  # NaN: no mass, or (kernels) a cut leaving it out
