@@ -62,11 +62,13 @@ def _leading(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
     return B, (t.numel() // (B * V)) if B else 0, V
 
 
-def logit_inputs(op, logits, params, vocab_mask, full) -> tuple[RowParams, Tensor | None, int, int]:
+def logit_inputs(op, logits, params, vocab_mask, full,
+                 live: Tensor | None = None) -> tuple[RowParams, Tensor | None, int, int]:
     """Validate the inputs of an op on logits ``[B, ..., V]``.
 
     Returns the parameters of each of the ``R = B * M`` rows, the vocab mask broadcast to the
-    logits' shape (a view, or None), B and M. Reads no logits unless ``full``.
+    logits' shape (a view, or None), B and M. Reads no logits unless ``full``; then the values of
+    the rows where ``live`` (bool ``[B, ...]``, default all) is True: a tree's absent nodes are padding.
     """
     B, M, V = _leading(op, "logits", logits)
     if params is None:
@@ -84,9 +86,10 @@ def logit_inputs(op, logits, params, vocab_mask, full) -> tuple[RowParams, Tenso
                  shape_str(vocab_mask.shape))
         if full:
             allowed = mask.sum(-1)  # quoted: a row's count of allowed tokens, 0
-            check_no_bad(op, "vocab_mask", allowed == 0, allowed, "at least one allowed token per row")
+            empty = allowed == 0 if live is None else (allowed == 0) & live
+            check_no_bad(op, "vocab_mask", empty, allowed, "at least one allowed token per row")
     if full:
-        check_logits_values(op, "logits", logits)
+        check_logits_values(op, "logits", logits if live is None else torch.where(live[..., None], logits, 0.0))
     return rp, mask, B, M
 
 

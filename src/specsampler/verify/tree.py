@@ -486,7 +486,7 @@ def verify_tree_from_logits(
     check_rng(op, rng)
     c = _check_tree(op, target_logits, "target_logits", draft_tokens, tree, draft_probs, method, draft_sampling,
                     full, True)
-    rp, mask, _, _ = logit_inputs(op, target_logits, params, vocab_mask, full)
+    rp, mask, _, _ = logit_inputs(op, target_logits, params, vocab_mask, full, live=tree.depth >= 0)
     rows = _Rows(logits=target_logits, rp=rp, mask=mask)
     if use_triton(target_logits.device):
         path, n, y = _walk_kernel(c, target_logits, rng, op, rp, mask)
