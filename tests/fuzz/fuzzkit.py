@@ -575,11 +575,12 @@ def mask_is_structurally_bad(m: Mask, shape) -> bool:
     return m.kind in ("bad_dtype", "bad_shape")
 
 
-def mask_has_empty_row(mask: torch.Tensor | None, shape) -> bool:
-    """Whether a (well-formed) vocab mask leaves some row without an allowed token."""
+def mask_has_empty_row(mask: torch.Tensor | None, shape, live: torch.Tensor | None = None) -> bool:
+    """Whether a (well-formed) vocab mask leaves some row (where ``live``) without an allowed token."""
     if mask is None or mask.dtype != torch.bool or mask.shape[-1] != shape[-1]:
         return False
-    return bool((~mask.expand(shape).any(-1)).any())
+    empty = ~mask.expand(shape).any(-1)
+    return bool((empty if live is None else empty & live).any())
 
 
 

@@ -156,3 +156,20 @@ def test_a_row_whose_largest_logit_is_not_finite_has_no_mass(backend):
         assert bool(((out.tokens >= 0) & (out.tokens < 3)).all())
         assert bool((out.logprobs[:2] == float("-inf")).all()), out.logprobs
         assert bool((out.logprobs[2] <= 0).all()), out.logprobs  # NaN: no mass, or (kernels) a cut leaving it out
+
+
+def test_full_validation_of_tree_logits_skips_the_rows_of_absent_nodes():
+    # absent nodes are padding: their rows were checked (as "logits", not "target_logits") by a second pass
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, -1]]))
+    logits = torch.randn(1, 3, 4)
+    logits[0, 2] = float("nan")
+    mask = torch.ones(1, 3, 4, dtype=torch.bool)
+    mask[0, 2] = False
+    res = ss.verify_tree_from_logits(logits, torch.tensor([[0, 1, 9]]), tree, method="target_only", vocab_mask=mask,
+                                     rng=ss.Philox(0), validate="full")
+    assert 0 <= int(res.tokens[0, res.num_accepted[0]]) < 4
+    logits[0, 1, 0] = float("nan")
+    with pytest.raises(ss.ValidationError, match=r"verify_tree_from_logits: target_logits: expected logits without "
+                                                  r"NaN or \+inf, got nan at flat position 4 \(request 0\)"):
+        ss.verify_tree_from_logits(logits, torch.tensor([[0, 1, 9]]), tree, method="target_only", rng=ss.Philox(0),
+                                   validate="full")

@@ -115,7 +115,7 @@ def _check(case: TreeCase, from_logits: bool):
             bool((((x < 0) | (x >= V)) & child).any())
             or (bad_logits(target, present) if from_logits else bad_probs(target, present))
             or (q is not None and bad_probs(q, child))
-            or (from_logits and mask_has_empty_row(mask, shape))
+            or (from_logits and mask_has_empty_row(mask, shape, present))
         )
     kw = dict(draft_probs=q, method=case.method, draft_sampling=case.draft_sampling, rng=rng, validate=case.validate)
     if from_logits:
