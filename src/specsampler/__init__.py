@@ -41,6 +41,8 @@ def __getattr__(name: str):
     # ``specsampler.mlc`` etc. as attributes without importing them with the core.
     if name in _LAZY:
         return importlib.import_module(f"{__name__}.{name}")
+    if f"{__name__}.{name}" in _legacy.MOVED:  # ``specsampler.chain`` etc., the flat layout's modules
+        return importlib.import_module(_legacy.MOVED[f"{__name__}.{name}"])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
