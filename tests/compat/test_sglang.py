@@ -447,6 +447,10 @@ def test_sampling_errors_carry_sgl_kernels_messages():
         sgl_kernel.top_k_top_p_sampling_from_probs(probs, 1, 0.5, filter_apply_order="both")
     with pytest.raises(ValueError, match="indices"):
         sgl_kernel.top_p_sampling_from_probs(torch.ones(1, 3), 0.5, torch.tensor([1]))
+    # min-p with a per-output tensor gathers rows by ``indices``: out of range is the same ValueError, not an
+    # IndexError from the gather
+    with pytest.raises(ValueError, match=r"indices.*\[0, 1\)"):
+        sgl_kernel.min_p_sampling_from_probs(torch.ones(1, 3), torch.tensor([0.1]), torch.tensor([1]))
 
 
 # ----------------------------------------------------------------------------- the kernels' dispatch

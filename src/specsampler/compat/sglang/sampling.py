@@ -90,14 +90,24 @@ def draw_with_coins(weights: Tensor, coins: Tensor, fallback: str) -> Tensor:
     return torch.where(found, j, other)
 
 
+def _row_indices(op: str, indices: Tensor, rows_of: Tensor) -> Tensor:
+    """``indices`` as int64 row numbers of ``rows_of`` (``[R, V]``): checked on CPU tensors (a ValueError); on a
+    GPU, where a check would synchronise, clamped into ``[0, R)`` so that no read leaves the tensor."""
+    check_tensor(op, "indices", indices, kind="int", ndim=1)
+    rows = indices.to(device=rows_of.device, dtype=torch.int64)
+    R = rows_of.shape[0]
+    if rows.device.type != "cpu":
+        return rows.clamp(0, max(R - 1, 0))
+    if rows.numel() and bool(((rows < 0) | (rows >= R)).any()):
+        fail(op, "indices", f"row indices in [0, {R})", rows.tolist())
+    return rows
+
+
 def _draw(op: str, weights: Tensor, indices: Tensor | None, generator: Generator) -> Tensor:
     """One token per output: from row i of ``weights``, or from row ``indices[i]``. int32 ``[M]``."""
     if indices is None:
         return sample(weights, rng=generator).to(torch.int32)
-    check_tensor(op, "indices", indices, kind="int", ndim=1)
-    rows = indices.to(device=weights.device, dtype=torch.int64)
-    if rows.device.type == "cpu" and rows.numel() and bool(((rows < 0) | (rows >= weights.shape[0])).any()):
-        fail(op, "indices", f"row indices in [0, {weights.shape[0]})", rows.tolist())
+    rows = _row_indices(op, indices, weights)
     u = uniform(generator, op, rows.numel(), 1, STREAM_SAMPLE, weights.device)[:, 0]
     cdf = weights.float().cumsum(-1)
     return first_above(cdf, rows, u * cdf[rows, -1]).to(torch.int32)
@@ -203,8 +213,7 @@ def min_p_sampling_from_probs(
     """
     _check_nan(probs, check_nan)
     if indices is not None and isinstance(min_p, Tensor):
-        check_tensor("sglang.min_p_sampling_from_probs", "indices", indices, kind="int", ndim=1)
-        probs, indices = probs.index_select(0, indices.to(device=probs.device, dtype=torch.int64)), None
+        probs, indices = probs.index_select(0, _row_indices("sglang.min_p_sampling_from_probs", indices, probs)), None
     kept = min_p_renorm(probs, _param(min_p, torch.float32, probs.device))
     return _draw("sglang.min_p_sampling_from_probs", kept, indices, generator)
 
