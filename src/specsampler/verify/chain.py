@@ -18,9 +18,10 @@ from torch import Tensor
 
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
-from ..sampling.processing import Processed, process, row_sum, sample_by_inversion
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
+from ..sampling.greedy import greedy_ids
 from ..sampling.ops import _process_prepared, logit_inputs, logit_rows
+from ..sampling.processing import Processed, process, row_sum, sample_by_inversion
 from ..validation import (
     check_device,
     check_logits_values,
@@ -299,7 +300,7 @@ def verify_chain(
         return _verify_kernel(c, target_probs, rng, op)
     rows = target_probs.reshape(-1, c.V).float()
     if c.method == "greedy":
-        return _verify(c, None, rows.argmax(-1).view(c.B, c.K + 1), rng, op)
+        return _verify(c, None, greedy_ids(rows).view(c.B, c.K + 1), rng, op)
     return _verify(c, Processed.from_dense(rows), None, rng, op)
 
 
@@ -354,7 +355,7 @@ def verify_chain_from_logits(
         return _verify_from_logits_kernel(c, target_logits, params, vocab_mask, full, rng, op)
     x, rp, _, _ = logit_rows(op, target_logits, params, vocab_mask, full)
     if c.method == "greedy":
-        return _verify(c, None, x.argmax(-1).view(c.B, c.K + 1), rng, op)
+        return _verify(c, None, greedy_ids(x).view(c.B, c.K + 1), rng, op)
     return _verify(c, process(x, rp, logits=True), None, rng, op)
 
 
@@ -381,7 +382,7 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
         return _verify_from_logits_kernel(c, logits, params, None, False, rng, op)
     x = logits.view(-1, V)
     if method == "greedy":
-        return _verify(c, None, x.argmax(-1).view(B, K1), rng, op, draw)
+        return _verify(c, None, greedy_ids(x).view(B, K1), rng, op, draw)
     target = _process_prepared(x, rp, small)
     if method == "token" and B == 1 and logits.device.type == "cpu":
         return _verify_one_token(c, target, draw)

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..rng import Philox
 from . import oracle
 from .chain import verify_chain
-from ..rng import Philox
 from .token_tree import TokenTree
 from .tree import verify_tree
 

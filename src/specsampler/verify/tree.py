@@ -18,10 +18,10 @@ from torch import Tensor
 
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
-from ..sampling.processing import SCRATCH, Processed, process, row_sum, sample_by_inversion
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
+from ..sampling.greedy import greedy_ids
 from ..sampling.ops import _process_prepared, logit_inputs
-from .token_tree import TokenTree
+from ..sampling.processing import SCRATCH, Processed, process, row_sum, sample_by_inversion
 from ..validation import (
     check_device,
     check_logits_values,
@@ -33,6 +33,7 @@ from ..validation import (
     check_token_values,
     fail,
 )
+from .token_tree import TokenTree
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
@@ -116,7 +117,7 @@ class _Rows:
 
     def argmax(self, b: Tensor, node: Tensor) -> Tensor:
         flat = self._flat(b, node)
-        return (self._rows(self.probs, flat) if self.probs is not None else self._logits(b, node, flat)).argmax(-1)
+        return greedy_ids(self._rows(self.probs, flat) if self.probs is not None else self._logits(b, node, flat))
 
 
 def _check_tree(op, target, target_name, draft_tokens, tree, draft_probs, method, draft_sampling, full, logits):
@@ -520,7 +521,7 @@ class _AllRows(_Rows):
         return self.proc.select(self._flat(b, node))
 
     def argmax(self, b: Tensor, node: Tensor) -> Tensor:
-        return self._rows(self.logits, self._flat(b, node)).argmax(-1)
+        return greedy_ids(self._rows(self.logits, self._flat(b, node)))
 
 
 def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Tensor | None, usable: Tensor,
@@ -582,7 +583,7 @@ def _walk_draws_host(c: _Tree, logits: Tensor, proc: Processed | None,
     """greedy / target_only: every node's draw at once (a node's draw is its own whether or not the
     walk reaches it: the same numbers as :func:`_walk_draws`), then each request's walk on the host."""
     if c.method == "greedy":
-        drawn = logits.argmax(-1)
+        drawn = greedy_ids(logits)
     else:
         drawn = proc.sample(draw(STREAM_SAMPLE, c.N).reshape(-1)).view(c.B, c.N)
     drawn, tokens, usable = drawn.tolist(), c.x.tolist(), c.usable.tolist()

@@ -1,0 +1,12 @@
+"""Greedy choice: the argmax of a row, the same rule on every back end and on vocabulary shards."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def greedy_ids(x: Tensor) -> Tensor:
+    """int64 ``[...]``: the argmax of ``x`` (float ``[..., V]``) over its last dimension, ties to the lowest id;
+    NaN is never chosen (read as -inf, as the kernels compare), so a row of NaN gives 0."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(-1)
