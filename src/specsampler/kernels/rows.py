@@ -762,6 +762,13 @@ def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, mi
             else:
                 z = z_all  # masses_from_sums stored the chunk masses
             tl.debug_barrier()
+        # a row without mass (its maximum not finite, or a NaN among the kept weights) keeps no token, as in
+        # the reference: else its draw would weigh exp(x) from m = 0, a log-probability far above 0
+        keeps = has_mass & (z == z)
+        tau = tl.where(keeps, tau, float("inf"))
+        id_cut = tl.where(keeps, id_cut, -1)
+        z = tl.where(keeps, z, 0.0)
+        cand_w = tl.where(keeps, cand_w, 0.0)
     return m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w
 
 

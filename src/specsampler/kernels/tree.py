@@ -530,7 +530,9 @@ def _traversal_kernel(
             buf = tl.where(has_mass, out, buf)
             held = tl.where(has_mass, 1, held)
             div = tl.where(has_mass, _clamp_divisor(mass), div)
-            a_top = tl.where(has_mass, tl.div_rn(mass, tl.where(has_mass, mass + 1.0 - a_top, 1.0)), 0.0)
+            # a = 0 (never accepted: an out-of-range token, or p(x) = 0) stays 0, as in the reference
+            keep = has_mass & (a_top > 0.0)
+            a_top = tl.where(keep, tl.div_rn(mass, tl.where(keep, mass + 1.0 - a_top, 1.0)), 0.0)
             if WO:
                 q_held = tl.full((), 1, tl.int32)
                 q_div = _clamp_divisor(q_mass)
