@@ -18,13 +18,6 @@ def backend(request):
         yield request.param
 
 
-def kernel_fix_pending(request, backend: str, fix: str) -> None:
-    """Mark a kernel case expected to fail until ``fix`` lands in the kernels (waiting for their refactor into
-    one body per op); strict: the case fails once the kernel is fixed, as a reminder to remove the mark."""
-    if backend == "triton":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"kernel fix pending (issue 27): {fix}"))
-
-
 @pytest.mark.parametrize("make", [
     lambda: ss.SamplingParams(temperature=torch.tensor(-1.0)),
     lambda: ss.SamplingParams(top_p=torch.tensor(0.0)),
@@ -68,9 +61,6 @@ def test_block_verification_never_emits_an_out_of_range_draft_whatever_the_draft
     assert bool(((res.tokens[:, 0] >= 0) & (res.tokens[:, 0] < V)).all()) and bool((res.tokens[:, 1:] == -1).all())
 
 
-TRAVERSAL_FIX = "the traversal kernel keeps a_top = 0 on a deletion: where(has_mass & (a_top > 0), ...)"
-
-
 def _traversal_case():
     """Root -> node 1 (token 4, outside V = 3: never acceptable) -> node 2 (token 1); q = -0.5 everywhere.
     Deleting node 2 gave node 1 w = max(0 * Mb - q, 0) with mass, so a(1) = 0.6 and node 1 was accepted."""
@@ -84,9 +74,8 @@ def _traversal_case():
 
 @pytest.mark.parametrize("from_logits", [False, True])
 @pytest.mark.parametrize("draft_sampling", ["iid", "without_replacement"])
-def test_traversal_never_accepts_an_out_of_range_draft_whatever_the_draft_probs(request, backend, from_logits,
+def test_traversal_never_accepts_an_out_of_range_draft_whatever_the_draft_probs(backend, from_logits,
                                                                                 draft_sampling):
-    kernel_fix_pending(request, backend, TRAVERSAL_FIX)
     V, tree, target, q, drafts = _traversal_case()
     rng = ss.Philox(torch.arange(B))
     kw = dict(method="traversal", draft_sampling=draft_sampling, rng=rng)
@@ -99,8 +88,7 @@ def test_traversal_never_accepts_an_out_of_range_draft_whatever_the_draft_probs(
 
 
 @pytest.mark.parametrize("draft_sampling", ["iid", "without_replacement"])
-def test_traversal_accepts_nothing_under_a_zero_weight_whatever_the_draft_probs(request, backend, draft_sampling):
-    kernel_fix_pending(request, backend, TRAVERSAL_FIX)
+def test_traversal_accepts_nothing_under_a_zero_weight_whatever_the_draft_probs(backend, draft_sampling):
     # the same walk with an in-range token of target probability 0 at node 1: a(1) = 0 must stay 0
     V, tree, target, q, drafts = _traversal_case()
     drafts = torch.tensor([[0, 2, 1]] * B)
@@ -160,9 +148,7 @@ def test_an_empty_vocab_mask_row_is_quoted_by_its_count_of_allowed_tokens():
         ss.sample_from_logits(torch.randn(2, 3, 5), vocab_mask=mask, validate="full")
 
 
-def test_a_row_whose_largest_logit_is_not_finite_has_no_mass(request, backend):
-    kernel_fix_pending(request, backend, "rows.describe_row_in_parts: a row without mass (has_mass False, or z NaN) "
-                                         "gets tau = +inf, id_cut = -1, z = 0, cand_w = 0")
+def test_a_row_whose_largest_logit_is_not_finite_has_no_mass(backend):
     # the kernels described such a row with m = 0 and kept exp(x) weights: token 2 of [inf, 0, 1] was drawn with
     # log-probability +88 (+inf for [inf]; a NaN among the kept weights, +87); the reference gives no mass
     logits = torch.tensor([[float("inf"), 0.0, 1.0], [float("inf"), float("-inf"), 0.0], [float("nan"), 0.0, 1.0]])
@@ -190,13 +176,10 @@ def test_full_validation_of_tree_logits_skips_the_rows_of_absent_nodes():
                                    validate="full")
 
 
-def test_finite_logits_far_from_zero_keep_their_distribution(request, backend):
+def test_finite_logits_far_from_zero_keep_their_distribution(backend):
     # exp2(x * c - top * c) by a multiply-add offsets a row by the rounding of top * c: from |top * c| >= 2**24 the
     # offset overflows, and logits of 1e10 gave a row of zeros, 1e15 NaN, [3e37, 0] drew token 1 (probability 0).
     # The kernels compute exp((x - m) / T), but logits_to_probs runs processing on either back end.
-    request.applymarker(pytest.mark.xfail(strict=True, reason=(
-        "processing fix pending (issue 27, after processing.py's split): _weights computes exp2((x - top) * c) "
-        "for rows with |top * c| >= 2**24, and sampling.ops._process_small leaves them to process()")))
     logits = torch.tensor([[1e10, 0.0, 1.0], [3e37, 0.0, -3e37], [-1e15, -1e15, 0.0]])
     for T in (1.0, 0.5):
         params = ss.SamplingParams(temperature=T)

@@ -37,3 +37,13 @@ def test_greedy_tree_verification_never_chooses_a_nan(backend):
     res = ss.verify_tree_from_logits(LOGITS[:, None].expand(4, 2, 4).contiguous(),
                                      torch.tensor([[0, c] for c in CHOICE]), tree, method="greedy")
     assert res.tokens.tolist() == [[c, c] for c in CHOICE]
+
+
+def test_greedy_sampling_never_chooses_a_nan(backend):
+    params = ss.SamplingParams(temperature=0.0)
+    out = ss.sample_from_logits(LOGITS, params)
+    assert out.tokens.tolist() == CHOICE
+    # a greedy row is one-hot at its choice, with mass where that maximum is finite (NaN aside)
+    assert out.logprobs.tolist() == [0.0, 0.0, float("-inf"), float("-inf")]
+    probs = ss.logits_to_probs(LOGITS, params)
+    assert probs.tolist() == [[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0] * 4, [0.0] * 4]

@@ -6,7 +6,12 @@ import torch
 from torch import Tensor
 
 
+def nan_as_minus_inf(x: Tensor) -> Tensor:
+    """``x`` with NaN read as -inf (and infinities kept): what the greedy choice compares."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
 def greedy_ids(x: Tensor) -> Tensor:
     """int64 ``[...]``: the argmax of ``x`` (float ``[..., V]``) over its last dimension, ties to the lowest id;
     NaN is never chosen (read as -inf, as the kernels compare), so a row of NaN gives 0."""
-    return torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")).argmax(-1)
+    return nan_as_minus_inf(x).argmax(-1)

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
-from .processing import Processed, in_vector_body, padded_row_sum, process, sample_by_inversion
 from ..rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from ..validation import (
     check_logits_values,
@@ -31,6 +30,7 @@ from ..validation import (
     fail,
     shape_str,
 )
+from .processing import _FAR, Processed, in_vector_body, padded_row_sum, process, sample_by_inversion
 
 
 class SampleOutput(NamedTuple):
@@ -279,13 +279,14 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     :func:`process` takes for such rows (the whole row ordered by a stable sort, ``exp2`` of
     ``x * c - top * c`` by ``addcmul``, the top-p cut on the cumulative sums, the normalisation by
     :func:`padded_row_sum`), so the same numbers; returned dense, which samples and reads as the
-    candidates in id order do. None where a row's largest logit is not finite (use :func:`process`).
+    candidates in id order do. None where a row's largest logit is not finite or ``|top * c| >= 2**24``
+    (use :func:`process`).
     """
     c, neg_c, top_p, zero = constants
     vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
     top = vals[:, :1]
-    if not all(map(math.isfinite, top.view(-1).tolist())):
-        return None
+    if not all(map(math.isfinite, top.view(-1).tolist())) or bool(((top * c).abs() >= _FAR).any()):
+        return None  # process() handles rows without mass and rows far from zero (see processing._weights)
     w = torch.addcmul(top * neg_c, vals, c).exp2_()  # top * -c: bit for bit process()'s -top * c
     cum = w.cumsum(-1)
     kept = torch.where(torch.nn.functional.pad(cum[:, :-1], (1, 0)) < top_p * cum[:, -1:], w, zero)

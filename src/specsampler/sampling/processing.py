@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..params import RowParams
+from .greedy import nan_as_minus_inf
 
 SMALL_NUCLEUS = 64  # nuclei first searched among the 64 most likely tokens
 _ORDER_WHOLE = 1024  # top-p rows this short are ordered whole: cheaper than estimating a nucleus bound
@@ -51,6 +52,7 @@ _EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight,
 _EST_BINS = 256  # over the 32 octaves below the most likely token
 _TINY = torch.finfo(torch.float32).tiny
 _LOG2E = math.log2(math.e)
+_FAR = 2.0**24  # |top * c| from which the multiply-add's offset loses units (see _weights)
 _INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 _SUM_BLOCK = 256  # values per block of the sums of padded rows (padded_row_sum)
 _VECTOR_BODY = 64  # lengths that are whole iterations of ATen's vectorised CPU loops (in_vector_body)
@@ -414,6 +416,11 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     else:
         torch.addcmul(-top * c, vals, c, out=w)
     buf.exp2_()  # with the few values past n: whatever they are, they are not read
+    # from |top * c| >= 2**24 the multiply-add's offset rounds by more than a unit (1e10 gave a row of zeros,
+    # 1e15 NaN): such rows subtract first, exactly as the kernels do
+    far = (top * c).abs()[:, 0] >= _FAR
+    if bool(far.any()):
+        w[far] = torch.exp2((vals[far] - top[far]) * c[far])
     if not bool(finite.all()):
         w.masked_fill_(~finite, 0.0)
     return w
@@ -504,6 +511,8 @@ def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part
 def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
     keep_n = torch.where(greedy, 1, rp.top_k)
+    if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
+        x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
     vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
     w = _candidate_weights(vals, torch.where(greedy, 1.0, rp.temperature), logits)
     w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
