@@ -1,4 +1,4 @@
-"""specsampler.mlc: the Sampler of seed 001 (sampling, renormalisation, verification), its configs,
+"""specsampler.mlc: MLC-LLM's Sampler (sampling, renormalisation, verification), its configs,
 random generators, results, metrics and trace recorder."""
 
 import json
@@ -9,8 +9,6 @@ import torch
 
 import specsampler as ss
 from conftest import mc_trials
-from specsampler.verify import oracle
-from specsampler.verify.exactness import Table, chi_square, encode, encode_dist, random_model, shape_parents, tree_inputs
 from specsampler.mlc import (
     EventTraceRecorder,
     GenerationConfig,
@@ -20,6 +18,16 @@ from specsampler.mlc import (
     SpecDecodeMetrics,
 )
 from specsampler.validation import ValidationError
+from specsampler.verify import oracle
+from specsampler.verify.exactness import (
+    Table,
+    chi_square,
+    encode,
+    encode_dist,
+    random_model,
+    shape_parents,
+    tree_inputs,
+)
 
 SAMPLE_METHODS = ["batch_sample_tokens_with_prob_before_top_p", "batch_sample_tokens_with_prob_after_top_p"]
 

@@ -1,4 +1,4 @@
-"""specsampler.mlc.batch_spec_verify against a plain per-request loop of seed 000's pseudo-code."""
+"""specsampler.mlc.batch_spec_verify against a plain per-request loop of MLC-LLM's pseudo-code."""
 
 from collections import Counter
 
@@ -13,7 +13,7 @@ F32 = np.float32
 
 
 def reference(draft_probs, draft_tokens, model_probs, first_child, next_sibling, uniform, parent_ptr, counts=None):
-    """Seed 000, one request at a time, on numpy float32 arrays. Returns (model_probs, parent_ptr).
+    """MLC-LLM's batch_spec_verify, one request at a time, on numpy float32 arrays. Returns (model_probs, parent_ptr).
 
     One rule beyond the seed (where it is undefined): a draft token outside [0, V) is never
     accepted; it takes the rejection branch with its draft row (a degenerate residual then
@@ -79,7 +79,7 @@ def normalise(x):
 
 
 def random_batch(rng, V, shape, sizes, pad=3, degenerate=0.3):
-    """Numpy buffers of seed 000 for trees of the given sizes, scattered over a global node array.
+    """Numpy buffers of MLC-LLM's batch_spec_verify for trees of the given sizes, scattered over a global node array.
 
     Nodes of all requests (and ``pad`` unused nodes) are placed at a random permutation of
     global indices, siblings linked in a random order. Draft rows are mixtures of the parent's
@@ -300,7 +300,7 @@ def test_nan_inputs_do_not_crash_and_pointers_stay_valid(where):
 
 def test_unchecked_bad_links_and_roots_stay_in_bounds(monkeypatch):
     """As on a GPU in "structure" mode, where index values are not checked."""
-    monkeypatch.setattr(mlc, "values_checkable", lambda t, full: full)
+    monkeypatch.setattr(mlc.verify, "values_checkable", lambda t, full: full)
     draft, tokens, model, fc, ns, u, _ = small_case()
     pp = torch.tensor([0, 3, 42, -1], dtype=torch.int32)
     fc[1], ns[2] = 99, -7  # node 1 gets a child out of range
