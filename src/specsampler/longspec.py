@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .verify.kv import Cache, compact_kv
 from .params import SamplingParams
 from .rng import Philox, check_rng
+from .validation import check_shape, check_tensor, fail
+from .verify.kv import Cache, compact_kv
 from .verify.token_tree import TokenTree
 from .verify.tree import verify_tree_from_logits
-from .validation import check_shape, check_tensor, fail
 
 
 def _tree(op: str, tree_mask: Tensor) -> TokenTree:

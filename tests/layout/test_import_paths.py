@@ -59,6 +59,7 @@ def test_flat_layout_modules_are_attributes_of_the_package_in_a_fresh_process():
     # ``specsampler.chain`` as an attribute (``monkeypatch.setattr(ss.chain, ...)``) without importing it first:
     # in a fresh interpreter nothing else has imported the old path.
     code = ("import specsampler as ss; "
-            "print(ss.chain is ss.verify.chain, ss.processing is ss.sampling.processing, ss.tree.TokenTree is ss.TokenTree)")
+            "print(ss.chain is ss.verify.chain, ss.processing is ss.sampling.processing, "
+            "ss.tree.TokenTree is ss.TokenTree)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "True"], out

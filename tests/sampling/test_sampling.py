@@ -6,12 +6,12 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from naive import naive_probs
+from stats import assert_counts_match
 
 import specsampler as ss
 from conftest import mc_trials
-from naive import naive_probs
 from specsampler import SamplingParams as SP
-from stats import assert_counts_match
 
 # ----------------------------------------------------------------------------- exact cases
 
@@ -262,9 +262,9 @@ def test_nuclei_of_wide_vocabularies_match_the_rule_exactly(V, kind, top_p, min_
     # estimated; compaction, radix cut, dense fallback): the first rows vary the distribution's
     # shape, then one token alone reaches top-p, a small nucleus, a flat row (the nucleus
     # exceeds any compaction: cut densely) and a row without a finite logit
-    import specsampler.sampling.processing as processing
+    import specsampler.sampling.nucleus as search
 
-    with mock.patch.object(processing, "_COUNT_WHOLE", V if counted else 0):
+    with mock.patch.object(search, "_COUNT_WHOLE", V if counted else 0):
         _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed)
 
 
@@ -310,7 +310,7 @@ def _check_wide_nuclei(V, kind, top_p, min_p, probs_in, seed):
     seed=st.integers(0, 2**16),
 )
 def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chunks, spread, finite, seed):
-    from specsampler.sampling.processing import _ordered_prefix_by_chunks
+    from specsampler.sampling.topk import _ordered_prefix_by_chunks
 
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(-spread, spread + 1, (5, chunks * L), generator=g).float()
@@ -334,7 +334,7 @@ def test_an_empty_ordered_prefix(V):
 
 
 def test_top_candidates_from_chunk_maxima_put_nan_first():  # as torch.topk does
-    from specsampler.sampling.processing import _ordered_prefix_by_chunks
+    from specsampler.sampling.topk import _ordered_prefix_by_chunks
 
     scores = torch.arange(160, dtype=torch.float32).repeat(3, 1)
     scores[1, 7] = float("nan")
@@ -348,7 +348,7 @@ def test_top_candidates_from_chunk_maxima_put_nan_first():  # as torch.topk does
                                             ((4, 24), 0.0), ((0, 8), 0.1), ((2, 13), 0.4), ((3, 0), 0.5)])
 @pytest.mark.parametrize("compare", ["ge", "eq"])
 def test_positions_equal_nonzero_of_the_comparison(shape, density, compare):  # on CPU through NumPy
-    from specsampler.sampling.processing import _positions
+    from specsampler.sampling.topk import _positions
 
     g = torch.Generator().manual_seed(shape[1])
     x = torch.randint(0, 1000, shape, generator=g, dtype=torch.int32)
@@ -593,11 +593,11 @@ def test_small_nucleus_sampling_sorts_no_full_vocabulary(sort_sizes):
 def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
     # the estimated bound (rows longer than _COUNT_WHOLE; here all) keeps the candidates few (a
     # few times the nucleus) yet enough: no row falls back to cutting its whole vocabulary
-    import specsampler.sampling.processing as processing
+    import specsampler.sampling.nucleus as search
 
-    monkeypatch.setattr(processing, "_COUNT_WHOLE", 0)
-    widths, real_cut = [], processing.cut_to_mass
-    monkeypatch.setattr(processing, "cut_to_mass",
+    monkeypatch.setattr(search, "_COUNT_WHOLE", 0)
+    widths, real_cut = [], search.cut_to_mass
+    monkeypatch.setattr(search, "cut_to_mass",
                         lambda w, t, out=None: widths.append(w.shape[1]) or real_cut(w, t, out))
     logits = torch.randn(16, V, generator=torch.Generator().manual_seed(V)) * scale
     probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))
@@ -609,11 +609,11 @@ def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
 def test_counted_nuclei_are_compacted_when_small_and_cut_densely_when_large(monkeypatch, V):
     # rows up to _COUNT_WHOLE long are counted whole: a nucleus of up to V/16 tokens is settled
     # among the tokens down to its crossing bin (barely more than the nucleus), a larger one densely
-    import specsampler.sampling.processing as processing
+    import specsampler.sampling.nucleus as search
 
-    assert V <= processing._COUNT_WHOLE
-    widths, real_settle = [], processing._settle
-    monkeypatch.setattr(processing, "_settle", lambda w, *a: widths.append(w.shape[1]) or real_settle(w, *a))
+    assert V <= search._COUNT_WHOLE
+    widths, real_settle = [], search._settle
+    monkeypatch.setattr(search, "_settle", lambda w, *a: widths.append(w.shape[1]) or real_settle(w, *a))
     g = torch.Generator().manual_seed(V)
     logits = torch.randn(4, V, generator=g) * 0.5
     logits[:2, torch.randperm(V, generator=g)[: V // 40]] += 8.0  # the first rows: a nucleus of ~V/44 tokens

@@ -1,13 +1,9 @@
 """Sampling API: logits to processed probabilities, filters on probabilities, categorical draws.
 
-Processing (DESIGN.md): vocab mask, temperature, top-k, top-p on the top-k-renormalised
-distribution, min-p, renormalise. Temperature 0 is greedy: a one-hot row at the argmax.
-"Order" is logit (or probability) desc, id asc: top-k keeps exactly k tokens with ties
-to the lower id, and top-p keeps the smallest prefix of that order whose mass reaches p.
-How it is done without sorting the vocabulary: :mod:`specsampler.processing`.
-
-Sampling draws one uniform ``u`` per row (see :mod:`specsampler.rng` for the counters) and
-returns the first id, in id order, whose cumulative probability exceeds ``u * total``.
+The rules (vocab mask, temperature, top-k, top-p on the top-k-renormalised distribution, min-p; temperature 0
+greedy; "order" is logit or probability desc, id asc): docs/design.md, "Sampling"; how rows are processed
+without sorting the vocabulary: :mod:`.processing`. Draws: one uniform ``u`` per row (counters:
+:mod:`specsampler.rng`), the first id, in id order, whose cumulative probability exceeds ``u * total``.
 """
 
 from __future__ import annotations
@@ -30,7 +26,8 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .processing import _FAR, Processed, in_vector_body, padded_row_sum, process, sample_by_inversion
+from .filters import _FAR
+from .processing import Processed, in_vector_body, padded_row_sum, process, sample_by_inversion
 
 
 class SampleOutput(NamedTuple):
@@ -286,7 +283,7 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
     top = vals[:, :1]
     if not all(map(math.isfinite, top.view(-1).tolist())) or bool(((top * c).abs() >= _FAR).any()):
-        return None  # process() handles rows without mass and rows far from zero (see processing._weights)
+        return None  # process() handles rows without mass and rows far from zero (see filters._weights)
     w = torch.addcmul(top * neg_c, vals, c).exp2_()  # top * -c: bit for bit process()'s -top * c
     cum = w.cumsum(-1)
     kept = torch.where(torch.nn.functional.pad(cum[:, :-1], (1, 0)) < top_p * cum[:, -1:], w, zero)

@@ -1,0 +1,159 @@
+"""Processed distributions held compactly (:class:`Processed`, in :class:`Part` s: candidate tokens in id
+order, or dense rows), their probabilities and most likely tokens, and categorical draws by inversion:
+the token is the first id, in id order, whose cumulative probability exceeds ``u * total``
+(docs/design.md, "Randomness: Philox streams and counters")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .rounding import in_vector_body, padded_row_sum
+from .topk import ordered_prefix
+
+_INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
+
+
+@dataclass(frozen=True)
+class Part:
+    """Some rows of a :class:`Processed`, held one way.
+
+    rows: int64 ``[r]``, which of the ``R`` rows these are, or ``None`` for all of them.
+    ids: int64 ``[r, C]``: each row's candidate tokens in increasing id order, padded with
+        id 0 at probability 0; or ``None`` when the rows are dense.
+    probs: float32 ``[r, C]`` aligned with ``ids``, or ``[r, V]``: normalised, 0 outside the
+        kept set (a row whose kept set has no mass, e.g. all masked, is all 0).
+    """
+
+    rows: Tensor | None
+    ids: Tensor | None
+    probs: Tensor
+
+    def dense(self, vocab_size: int) -> Tensor:
+        if self.ids is None:
+            return self.probs
+        out = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
+        return out.scatter_add_(1, self.ids, self.probs)
+
+    def sample(self, u: Tensor) -> Tensor:
+        if self.ids is not None and self.ids.shape[1] == 1:  # one candidate: it is the draw
+            return self.ids[:, 0]
+        idx = sample_by_inversion(self.probs, u)
+        return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
+
+    def prob(self, tokens: Tensor) -> Tensor:
+        if self.ids is None:
+            return self.probs.gather(1, tokens[:, None])[:, 0]
+        return torch.where(self.ids == tokens[:, None], self.probs, 0.0).sum(-1)
+
+    def top(self, n: int) -> tuple[Tensor, Tensor]:
+        probs, pos = ordered_prefix(self.probs, n)
+        ids = pos if self.ids is None else self.ids.gather(1, pos)
+        if probs.shape[1] < n:  # fewer candidates than asked: pad
+            pad = n - probs.shape[1]
+            probs = torch.nn.functional.pad(probs, (0, pad))
+            ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
+        return torch.where(probs > 0, ids, -1), in_vector_body(torch.log, probs)
+
+
+@dataclass(frozen=True)
+class Processed:
+    """The processed distributions of ``R`` rows over a vocabulary of ``V`` tokens, in parts."""
+
+    parts: tuple[Part, ...]
+    num_rows: int
+    vocab_size: int
+
+    def _per_row(self, fn, *row_args: Tensor) -> tuple[Tensor, ...]:
+        """Run ``fn(part, *args of its rows)`` on every part and assemble its outputs ``[R, ...]``."""
+        if len(self.parts) == 1 and self.parts[0].rows is None:
+            out = fn(self.parts[0], *row_args)
+            return out if isinstance(out, tuple) else (out,)
+        outs = None
+        for part in self.parts:
+            res = fn(part, *(a[part.rows] for a in row_args))
+            res = res if isinstance(res, tuple) else (res,)
+            if outs is None:
+                outs = tuple(r.new_empty((self.num_rows, *r.shape[1:])) for r in res)
+            for o, r in zip(outs, res):
+                o[part.rows] = r
+        return outs
+
+    @staticmethod
+    def from_dense(probs: Tensor) -> Processed:
+        """Distributions given as they are: float32 ``[R, V]`` (not copied)."""
+        return Processed((Part(None, None, probs),), probs.shape[0], probs.shape[1])
+
+    def select(self, rows: Tensor) -> Processed:
+        """The distributions of ``rows`` (int64 ``[n]``, any order, repeats allowed), copied."""
+        parts = []
+        if len(self.parts) == 1 and self.parts[0].rows is None:
+            part = self.parts[0]
+            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, _take(part.probs, rows)))
+        else:
+            part_of = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
+            local = torch.empty_like(part_of)
+            for k, part in enumerate(self.parts):
+                part_of[part.rows] = k
+                local[part.rows] = torch.arange(part.rows.numel(), device=rows.device)
+            for k, part in enumerate(self.parts):
+                sel = (part_of[rows] == k).nonzero()[:, 0]
+                if sel.numel():
+                    loc = local[rows[sel]]
+                    ids = _take(part.ids, loc) if part.ids is not None else None
+                    parts.append(Part(sel, ids, _take(part.probs, loc)))
+            if not parts:  # no rows selected
+                parts.append(Part(None, None, self.parts[0].probs.new_zeros(0, self.vocab_size)))
+        return Processed(tuple(parts), rows.numel(), self.vocab_size)
+
+    def dense(self) -> Tensor:
+        """float32 ``[R, V]``."""
+        return self._per_row(lambda part: part.dense(self.vocab_size))[0]
+
+    def sample(self, u: Tensor) -> Tensor:
+        """One token per row by inversion of ``u`` float32 ``[R]``; int64 ``[R]``, always in ``[0, V)``."""
+        return self._per_row(Part.sample, u)[0]
+
+    def prob(self, tokens: Tensor) -> Tensor:
+        """Probability of ``tokens`` int64 ``[R]`` (in ``[0, V)``); float32 ``[R]``."""
+        return self._per_row(Part.prob, tokens)[0]
+
+    def top(self, n: int) -> tuple[Tensor, Tensor]:
+        """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
+        return self._per_row(lambda part: part.top(n))
+
+
+def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
+    """Index of the first column whose cumulative weight exceeds ``u * total``, per row.
+
+    weights: float32 ``[R, C]`` (need not be normalised); u: float32 ``[R]`` in [0, 1).
+    Returns int64 ``[R]`` in ``[0, C)``; never an index of zero weight when the row has mass.
+    Wide rows are inverted in two steps: over the sums of chunks of 256 columns, then within
+    the chunk found (the same draw but for float rounding at a chunk boundary).
+    """
+    R, C = weights.shape
+    if C < 4 * _INVERSION_CHUNK or C % _INVERSION_CHUNK or not weights.is_contiguous():
+        return _invert(weights.cumsum(-1), u[:, None] * padded_row_sum(weights, keepdim=True).clamp(min=0))[:, 0]
+    chunks = weights.view(R, C // _INVERSION_CHUNK, _INVERSION_CHUNK)
+    csum = chunks.sum(-1).cumsum(-1)
+    t = u[:, None] * csum[:, -1:]
+    c = _invert(csum, t)
+    before = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)), 0.0)
+    inner = chunks[torch.arange(R, device=weights.device), c[:, 0]]
+    return (c * _INVERSION_CHUNK + _invert(inner.cumsum(-1), t - before))[:, 0]
+
+
+def _invert(cum: Tensor, t: Tensor) -> Tensor:
+    """``[R, 1]``: the first column of the row-wise cumulative sums ``cum`` ``[R, C]`` exceeding
+    ``t`` ``[R, 1]``, but not past the last column that adds mass."""
+    total = cum[:, -1:].contiguous()
+    idx = torch.searchsorted(cum, t.contiguous(), right=True)
+    last = torch.searchsorted(cum, total, right=False)
+    return torch.minimum(idx, last).clamp_(0, cum.shape[1] - 1)
+
+
+def _take(t: Tensor, rows: Tensor | None) -> Tensor:
+    """Rows of ``t`` (dim 0) at int64 ``rows`` (whole rows copied: ``index_select``), or ``t`` for None."""
+    return t if rows is None else t.index_select(0, rows)

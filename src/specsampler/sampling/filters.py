@@ -1,0 +1,136 @@
+"""The filters on rows: temperature (the weights ``exp((x - top) / T)``), top-k and greedy on candidates,
+top-p and min-p on ordered candidates, min-p alone on dense rows, and the renormalisation.
+
+The rules: docs/design.md, "Sampling"; top-p alone: :mod:`.nucleus`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..params import RowParams
+from .distributions import Part, _take
+from .greedy import nan_as_minus_inf
+from .rounding import _VECTOR_BODY, in_vector_body, padded_row_sum
+from .scratch import SCRATCH
+from .topk import ordered_prefix
+
+_TINY = torch.finfo(torch.float32).tiny
+_LOG2E = math.log2(math.e)
+_FAR = 2.0**24  # |top * c| from which the multiply-add's offset loses units (see _weights)
+
+
+def _rows_where(mask: Tensor) -> Tensor | None:
+    return None if bool(mask.all()) else mask.nonzero()[:, 0]
+
+
+def _take_params(rp: RowParams, rows: Tensor | None) -> RowParams:
+    return rp if rows is None else rp.take(rows)
+
+
+def _within(outer: Tensor | None, inner: Tensor | None) -> Tensor | None:
+    """Rows ``inner`` of the subset ``outer``, as indices into the full batch."""
+    if inner is None:
+        return outer
+    return inner if outer is None else outer[inner]
+
+
+def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, shared: bool = False,
+             scratch: str | None = None) -> Tensor:
+    """Unnormalised probabilities: ``exp((x - top) / T)`` for logits, else x (negative or NaN
+    probabilities count as 0); a new tensor, or in the named scratch buffer.
+
+    From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32):
+    one multiply-add and a base-2 exponential, which costs half of ``exp`` on CPU. The
+    exponential runs over whole iterations of ATen's vectorised loop (the values rounded up
+    to a multiple of 64, see :func:`in_vector_body`), so that a row's values round the same
+    whatever rows come before it.
+    top: float32 ``[r, 1]``, the row maximum; a row whose maximum is not finite has no mass.
+    temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply-add,
+    faster, with the same arithmetic).
+    """
+    n = vals.numel()
+    whole = -(-n // _VECTOR_BODY) * _VECTOR_BODY
+    buf = torch.empty(whole, device=vals.device) if scratch is None else SCRATCH.get(scratch, (whole,), torch.float32,
+                                                                                     vals.device)
+    w = buf[:n].view(vals.shape)
+    if not logits:
+        return torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
+    finite = torch.isfinite(top)
+    top = torch.where(finite, top, 0.0)
+    c = torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
+    if shared and c.numel():
+        torch.add(-top * c, vals, alpha=float(c[0]), out=w)
+    else:
+        torch.addcmul(-top * c, vals, c, out=w)
+    buf.exp2_()  # with the few values past n: whatever they are, they are not read
+    # from |top * c| >= 2**24 the multiply-add's offset rounds by more than a unit (1e10 gave a row of zeros,
+    # 1e15 NaN): such rows subtract first, exactly as the kernels do
+    far = (top * c).abs()[:, 0] >= _FAR
+    if bool(far.any()):
+        w[far] = torch.exp2((vals[far] - top[far]) * c[far])
+    if not bool(finite.all()):
+        w.masked_fill_(~finite, 0.0)
+    return w
+
+
+def _normalise_(w: Tensor) -> Tensor:
+    """Divide each row by its sum, in place (rows without mass stay 0)."""
+    return w.div_(padded_row_sum(w, keepdim=True).clamp_(min=_TINY))
+
+
+def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
+    """top-p (against the mass ``z``, default the candidates' own) and min-p on ordered candidates.
+
+    w: float32 ``[r, C]`` in (logit desc, id asc) order. Returns the kept weights.
+    """
+    cum = w.cumsum(-1)
+    z = cum[:, -1] if z is None else z
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass strictly before each candidate
+    keep = (rp.top_p >= 1)[:, None] | (before < rp.top_p[:, None] * z[:, None])
+    keep &= w >= rp.min_p[:, None] * w[:, :1]
+    return torch.where(keep, w, 0.0)
+
+
+def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool) -> Tensor:
+    """:func:`_weights` of candidates ``[r, C]`` in (logit desc, id asc) order (the first the
+    row's top), C padded to whole vector iterations: C is the widest row's of the batch."""
+    return in_vector_body(lambda v: _weights(v, v[:, :1], temperature, logits), vals)
+
+
+def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part:
+    """The candidates ``ids`` with their kept ``weights`` (in (logit desc, id asc) order: the kept
+    ones first), normalised in that order, where a row's sum does not see how many candidates
+    the widest row of the batch took, then put in id order."""
+    ids, perm = ids.sort(dim=-1)
+    return Part(rows, ids, _normalise_(weights).gather(1, perm))
+
+
+def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
+    """min-p (threshold ``min_p * w_max``, with ``w_max`` ``[r, 1]`` taken at ``rows``) and
+    renormalisation, in place."""
+    if not rp.all_equal("min_p", 0):
+        w.mul_(w >= rp.min_p[:, None] * _take(w_max, rows))
+    return _normalise_(w)
+
+
+def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
+    """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
+    keep_n = torch.where(greedy, 1, rp.top_k)
+    if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
+        x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
+    vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
+    w = _candidate_weights(vals, torch.where(greedy, 1.0, rp.temperature), logits)
+    w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
+    return _part_in_id_order(rows, ids, _cut_candidates(w, rp))
+
+
+def _plain_part(rows, x, rp, logits) -> Part:
+    """Rows with neither top-k nor top-p: dense, with min-p."""
+    w = _weights(x, x.amax(-1, keepdim=True), rp.temperature, logits, shared=rp.shared is not None)
+    if not rp.all_equal("min_p", 0):
+        w.mul_(w >= rp.min_p[:, None] * w.amax(-1, keepdim=True))
+    return Part(rows, None, _normalise_(w))

@@ -1,0 +1,340 @@
+"""Top-p rows without top-k: their nucleus found without sorting the vocabulary (a token that alone
+reaches p; rows counted whole by a radix select on the weights' bit patterns; longer rows estimated
+from their heaviest chunks and a subsample, then compacted), and the radix cut itself (:func:`cut_to_mass`).
+
+The method: docs/design.md, "Processing without sorting the vocabulary".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..params import RowParams
+from .distributions import Part, _take
+from .filters import (
+    _TINY,
+    _candidate_weights,
+    _cut_candidates,
+    _min_p_normalise_,
+    _part_in_id_order,
+    _rows_where,
+    _take_params,
+    _weights,
+    _within,
+)
+from .rounding import padded_row_sum, row_sum
+from .scratch import SCRATCH
+from .topk import _by_row, _chunk_len, _positions, ordered_prefix
+
+SMALL_NUCLEUS = 64  # nuclei first searched among the 64 most likely tokens
+_ORDER_WHOLE = 1024  # top-p rows this short are ordered whole: cheaper than estimating a nucleus bound
+_BLOCK = 512  # rows per block in the search for large nuclei
+_RADIX_SHIFT = 17  # the radix select's first digit: 64 bins per octave of weight,
+_RADIX_KEYS = 1 << 11  # 2048 of them; then 11 bits at a time
+_RADIX_SORT = 256  # pending tokens per row (on average) few enough to sort
+_SUBSAMPLE = 4096  # tokens per row a large nucleus's threshold is estimated from,
+_COUNT_WHOLE = 1 << 16  # in rows longer than this; shorter ones are counted whole
+_EST_SHIFT = 20  # the estimate's bins: 8 per octave of weight,
+_EST_BINS = 256  # over the 32 octaves below the most likely token
+
+
+def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
+    """Top-p rows without top-k: sparse, their nucleus found without sorting the vocabulary.
+
+    Rows are taken in blocks of :data:`_BLOCK`, which bounds the per-row histograms' memory.
+    """
+    r, V = x.shape
+    if V <= _ORDER_WHOLE:  # the whole row is the candidate set
+        vals, ids = ordered_prefix(x, V)
+        w = _candidate_weights(vals, rp.temperature, logits)
+        return [_part_in_id_order(rows, ids, _cut_candidates(w, rp))]
+    if r <= _BLOCK:
+        return _nucleus_block(rows, x, rp, logits)
+    parts = []
+    for start in range(0, r, _BLOCK):
+        block = torch.arange(start, min(r, start + _BLOCK), device=x.device)
+        parts += _nucleus_block(_within(rows, block), x[block], rp.take(block), logits)
+    return parts
+
+
+def _nucleus_block(rows, x, rp, logits) -> list[Part]:
+    """Top-p rows without top-k, at most :data:`_BLOCK` of them. In turn: a token that alone
+    reaches top-p is the nucleus; rows of up to :data:`_COUNT_WHOLE` tokens are then counted
+    whole (:func:`_counted_nuclei`); in longer ones, a nucleus the subsample estimates small
+    is looked for among the 64 most likely tokens, the others are compacted above an
+    estimated bound (or cut densely when too large)."""
+    r, V = x.shape
+    L = _chunk_len(V)
+    chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
+    top, best = _max(x, chunk_max)
+    # unnormalised weights (the most likely token's about 1), in a scratch buffer; z: each row's mass
+    w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None, scratch="weights")
+    z = row_sum(w)
+    target = rp.top_p * z
+    parts = []
+    w_max = w.gather(1, best[:, None])
+    done = w_max[:, 0] >= target  # a token that alone reaches top-p is the nucleus
+    n_done = int(done.sum())
+    if n_done:
+        sub = None if n_done == r else done.nonzero()[:, 0]
+        mass = _take(z, sub).sign()[:, None]  # 1, or 0 for a row without mass (no finite logit)
+        parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], mass))
+        if sub is None:
+            return parts
+    if V <= _COUNT_WHOLE:  # short rows: counting them whole costs less than estimating
+        sub = _rows_where(~done)
+        parts += _counted_nuclei(_within(rows, sub), _take(w, sub), _take(target, sub), _take_params(rp, sub),
+                                 _take(w_max, sub))
+        return parts
+    lb, likely, size = _nucleus_bound(w, w_max, target, z, chunk_max)
+    small = (size <= SMALL_NUCLEUS // 2) & ~done
+    if bool(small.any()):  # a small nucleus: among the most likely tokens, found as for top-k
+        sub = _rows_where(small)
+        vals, head = ordered_prefix(_take(x, sub), SMALL_NUCLEUS, _take(chunk_max, sub) if chunk_max is not None
+                                    else None)
+        head_w = _take(w, sub).gather(1, head)
+        found = head_w.sum(-1) >= _take(target, sub)
+        if bool(found.any()):
+            got = _rows_where(found)
+            kept = _cut_candidates(_take(head_w, got), _take_params(_take_params(rp, sub), got),
+                                   _take(_take(z, sub), got))
+            parts.append(_part_in_id_order(_within(rows, _within(sub, got)), _take(head, got), kept))
+            done = done.clone()
+            done[(torch.arange(r, device=x.device) if sub is None else sub)[found]] = True
+    if not bool(done.all()):
+        parts += _large_nuclei(rows, w, torch.where(done, float("inf"), lb), likely, target, rp, w_max)
+    return parts
+
+
+def _max(x: Tensor, chunk_max: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Each row's largest value and its lowest id, from the chunk maxima when given."""
+    if chunk_max is None:
+        return x.amax(-1), x.argmax(-1)
+    r, n = chunk_max.shape
+    top, c = chunk_max.max(-1)  # the first chunk holding the maximum
+    return top, c * (x.shape[1] // n) + x.view(r, n, -1)[torch.arange(r, device=x.device), c].argmax(-1)
+
+
+def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
+    """Bins of non-negative float32 weights by their bit patterns (monotone in the weight),
+    int32; in the named scratch buffer when given."""
+    bits = w.contiguous().view(torch.int32)
+    if scratch is None:
+        return bits >> shift
+    return torch.bitwise_right_shift(bits, shift, out=SCRATCH.get(scratch, bits.shape, torch.int32, w.device))
+
+
+def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
+    """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
+    return torch.zeros(keys.shape[0], num_keys, device=keys.device).scatter_add_(1, keys.long(), values)
+
+
+def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
+                   chunk_max: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Estimates for each row: a weight ``lb`` the nucleus very likely lies above, whether the
+    tokens above it very likely reach the target, and the nucleus size.
+
+    The mass above each bin edge (8 bins per octave of weight, over the 32 octaves below the
+    most likely token; the tokens further below share the last bin) is counted exactly over
+    the chunks with the largest maxima (which hold the most likely tokens), and estimated over
+    the rest from a strided subsample scaled to their exact mass (a ratio estimator); where
+    it reaches the target is the estimated nucleus edge, with n tokens above. The bound is
+    the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most V/16),
+    so that compaction stays cheap while keeping a wide margin for the estimate's error.
+
+    w: float32 ``[r, V]``; w_max: ``[r, 1]``, its row maxima; target, z: ``[r]``, the mass to
+    reach and the row's mass; chunk_max: ``[r, V / L]``, the chunk maxima of the logits, or None.
+    Returns lb float32 ``[r]``, likely bool ``[r]``, n float32 ``[r]``.
+    """
+    r, V = w.shape
+    head = torch.zeros(r, 0, device=w.device)
+    if chunk_max is not None and chunk_max.shape[1] > 4 * (SMALL_NUCLEUS + 1):
+        # whole chunks: the head's and every stride-th one (contiguous reads), the head counted once
+        n = chunk_max.shape[1]
+        chunks = w.view(r, n, -1)
+        picked = torch.topk(chunk_max, SMALL_NUCLEUS + 1, dim=-1).indices
+        picked_rows = (picked + torch.arange(r, device=w.device)[:, None] * n).view(-1)
+        head = chunks.reshape(r * n, -1).index_select(0, picked_rows).view(r, -1)
+        stride = max(1, n * chunks.shape[2] // _SUBSAMPLE)
+        outside = torch.ones(r, n, device=w.device).scatter_(1, picked, 0.0)[:, ::stride, None]
+        sub = (chunks[:, ::stride] * outside).reshape(r, -1)
+    else:
+        sub = w[:, :: max(1, V // _SUBSAMPLE)].contiguous()
+    # mass and count in each bin below the most likely token's (the tokens far below it share
+    # the last one), of the subsample scaled to what it stands for, and of the head
+    top = _keys(w_max, _EST_SHIFT)
+    hist = torch.zeros(r, 2, _EST_BINS, device=w.device)
+    sub_scale = (z - head.sum(-1)).clamp(min=0) / sub.sum(-1).clamp(min=_TINY)
+    for part, mass_scale, count_scale in ((sub, sub_scale[:, None], (V - head.shape[1]) / sub.shape[1]),
+                                          (head, 1.0, 1.0)):
+        below = (top - _keys(part, _EST_SHIFT)).clamp_(0, _EST_BINS - 1).long()
+        hist[:, 0].scatter_add_(1, below, part * mass_scale)
+        hist[:, 1].scatter_add_(1, below, torch.full_like(part, count_scale))
+    mass, count = hist.cumsum(-1).unbind(1)  # above each bin's lower edge
+    edge = (mass < target[:, None]).sum(-1).clamp(max=_EST_BINS - 1)  # the estimated nucleus edge
+    size = count.gather(1, edge[:, None])[:, 0]
+    room = (2 * size + 128).clamp(max=V // 16)  # candidates to allow
+    j = ((count <= room[:, None]).sum(-1) - 1).clamp(min=0)  # the lowest bin with at most that many above
+    k = torch.where(j < _EST_BINS - 1, top[:, 0] - j.to(torch.int32), 0)
+    lb = torch.where(k > 0, (k << _EST_SHIFT).view(torch.float32), 0.0)
+    return lb, mass.gather(1, j[:, None])[:, 0] >= target, size
+
+
+def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tensor) -> list[Part]:
+    """Top-p rows whose nucleus holds more than one token, counted whole: the radix cut's first
+    digit (a histogram of each row's mass by bin, :func:`_first_digit`) finds the bin where
+    the nucleus ends. A bin's tokens weigh within 1.1% of each other, so its mass over its
+    lowest weight bounds its token count: rows with few tokens down to the crossing bin (up
+    to a sixteenth of the row) are compacted (candidates in id order), the others cut densely.
+
+    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: ``[r]``;
+    w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
+    """
+    r, V = w.shape
+    digit, crossing, above, hist, base = _first_digit(w, target)
+    bins = torch.arange(_RADIX_KEYS, dtype=torch.int32, device=w.device)
+    lowest = ((base + bins) << _RADIX_SHIFT).clamp_(min=0).view(torch.float32)  # each bin's lowest weight
+    count = torch.where(hist > 0, hist / lowest, 0.0)  # at least each bin's tokens
+    n = count.flip(-1).cumsum(-1).gather(1, (_RADIX_KEYS - 1 - crossing.clamp(min=0)).long())[:, 0]  # bins >= it
+    few = (crossing[:, 0] >= 1) & (n <= V // 16)  # bin 0 has no lowest weight: rows crossing in it are cut densely
+    parts = []
+    if bool(few.any()):
+        sub = _rows_where(few)
+        # the tokens of those rows down to the crossing bin, in id order (other rows: none)
+        c = torch.where(few[:, None], crossing, _RADIX_KEYS)
+        flat, b, col = _positions("ge", digit, c)
+        local = b if sub is None else (few.cumsum(0) - 1).index_select(0, b)
+        at, ids, cand = _by_row(local, r if sub is None else sub.numel(), col, w.view(-1).index_select(0, flat))
+        pending = digit.view(-1).index_select(0, flat) == crossing[:, 0].index_select(0, b)
+        pb = local[pending]
+        _settle(cand, pb, at[pending] - pb * cand.shape[1], *(_take(t, sub) for t in (crossing, above, target)))
+        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
+    if not bool(few.all()):
+        sub = _rows_where(~few)
+        rows_w = _take(w, sub)  # the scratch weights are only read; a selection is a copy
+        kept = _cut_from(rows_w, _take(digit, sub), _take(crossing, sub), _take(above, sub), _take(target, sub),
+                         out=None if sub is None else rows_w)
+        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(kept, _take_params(rp, sub), w_max, sub)))
+    return parts
+
+
+def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, rp: RowParams, w_max) -> list[Part]:
+    """The rows with a finite ``lb``, whose nucleus holds more than the head.
+
+    Their tokens above ``lb`` are compacted (candidates in id order) when their mass proves
+    the nucleus is among them; rows whose tokens above ``lb`` are not ``likely`` to reach the
+    target, or do not, are cut densely instead.
+
+    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb, target: ``[r]``; likely:
+    bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
+    """
+    r, V = w.shape
+    compact = likely & (lb != float("inf"))
+    parts = []
+    if bool(compact.any()):
+        flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
+        _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
+        compact &= padded_row_sum(cand) >= target  # rows short of it drop out
+    dense = (lb != float("inf")) & ~compact
+    if bool(compact.any()):
+        sub = _rows_where(compact)
+        ids, cand = _take(ids, sub), _take(cand, sub)
+        cut_to_mass(cand, _take(target, sub), out=cand)
+        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
+    if bool(dense.any()):
+        sub = _rows_where(dense)
+        rows_w = w if sub is None else w[sub]  # the scratch weights are only read; a selection is a copy
+        rows_w = cut_to_mass(rows_w, _take(target, sub), out=None if sub is None else rows_w)
+        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub)))
+    return parts
+
+
+def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
+    """The bucket where each row's prefix mass crosses the target (-1 if never), from a
+    histogram ``[r, k]`` of the pending tokens' mass by digit (the highest digit the
+    heaviest); adds to ``above`` (in place) the mass of the buckets above it."""
+    k = mass.shape[1]
+    from_top = mass.flip(-1).cumsum(-1)  # the mass of the j + 1 heaviest buckets
+    j = torch.searchsorted(from_top, (target - above)[:, None], side="left")  # the first reaching it
+    above += torch.where(j > 0, from_top.gather(1, (j - 1).clamp_(min=0)), 0.0)[:, 0]
+    return (k - 1) - j[:, 0]
+
+
+def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
+    """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
+    position asc) order whose mass reaches ``target`` (all of them kept if none does).
+
+    A radix select on the weights' float32 bit patterns (monotone in the weight): the first
+    digit (:func:`_first_digit`) finds the bin where each row's prefix mass crosses the
+    target; tokens above it are kept, below dropped, and the crossing bin's tokens are
+    settled by :func:`_settle`.
+
+    w: float32 ``[r, C]``, >= 0. target: float32 ``[r]``, absolute mass. out: where to write
+    the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
+    """
+    digit, crossing, above, _, _ = _first_digit(w, target)
+    return _cut_from(w, digit, crossing, above, target, out)
+
+
+def _first_digit(w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The radix cut's first digit, over the whole matrix: each row's weights binned by bits
+    30..17 (64 bins per octave) relative to its largest, 2047 bins over the 32 octaves below
+    it and the lowest bin (0) holding everything further below; a histogram of mass by bin
+    gives the bin where the prefix mass crosses the target.
+
+    w: float32 ``[r, C]``, >= 0; target: ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
+    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it ``[r]``, the
+    histogram float32 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
+    """
+    base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
+    digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
+    hist = _histogram(digit, w, _RADIX_KEYS)
+    above = torch.zeros(w.shape[0], device=w.device)
+    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
+    return digit, crossing, above, hist, base
+
+
+def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target: Tensor,
+              out: Tensor | None) -> Tensor:
+    """:func:`cut_to_mass` after its first digit (:func:`_first_digit` of ``w``)."""
+    # drop the bins below (comparisons into float / int32 scratch: no masked_fill_, no bool
+    # temporaries, which are slower); from here on w is the result
+    keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
+    w = torch.mul(w, torch.ge(digit, crossing, out=keep), out=out)
+    _, b, col = _positions("eq", digit, crossing)
+    _settle(w, b, col, crossing, above, target)
+    return w
+
+
+def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, target: Tensor) -> None:
+    """Zeroes, in place, the tokens ``w[b, col]`` of each row's crossing bin of the first digit
+    that lie past the cut: they are split by 11 bits at a time (the bits they do not yet
+    share), and the few left are ordered by a sort.
+
+    w: float32 ``[r, C]``; b, col: int64 ``[n]``, row-major; crossing: int32 ``[r, 1]``;
+    above: ``[r]``, the mass of the tokens above the bin (updated); target: ``[r]``.
+    """
+    r = w.shape[0]
+    # the bits the pending tokens of each row share: those above bit 17, but none in bin 0
+    shared = torch.where(crossing[:, 0] > 0, _RADIX_SHIFT, 31)
+    while b.numel() > r * _RADIX_SORT and bool(shared.any()):
+        v = w[b, col]
+        shift = (shared - 11).clamp_(min=0)
+        digit = (v.view(torch.int32) >> shift[b]) & (_RADIX_KEYS - 1)
+        mass = torch.zeros(r * _RADIX_KEYS, device=w.device).index_add_(0, b * _RADIX_KEYS + digit, v)
+        crossing = _cross(mass.view(r, _RADIX_KEYS), above, target)
+        below = digit < crossing[b]
+        w[b[below], col[below]] = 0.0
+        stay = digit == crossing[b]
+        b, col = b[stay], col[stay]
+        shared = shift
+    # the last pending tokens of each row, ordered (weight desc, position asc)
+    v, order = w[b, col].sort(descending=True, stable=True)
+    b, col = b[order], col[order]
+    b, order = b.sort(stable=True)
+    col, v = col[order], v[order]
+    at, grid = _by_row(b, r, v)
+    before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0)).view(-1)[at]
+    drop = above[b] + before >= target[b]
+    w[b[drop], col[drop]] = 0.0

@@ -1,0 +1,143 @@
+"""Ordered prefixes: each row's first ``n`` tokens in (score desc, id asc) order, ties included, found
+among the chunks of the row with the largest maxima rather than by sorting the vocabulary (top-k, greedy,
+small nuclei, the most likely tokens); and the sparse-index helpers the nucleus search shares.
+
+The method: docs/design.md, "Processing without sorting the vocabulary".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .scratch import SCRATCH
+
+
+def _chunk_len(V: int) -> int:
+    """A chunk length dividing V (64, else 128, 32 or 256), or 0."""
+    return next((L for L in (64, 128, 32, 256) if V % L == 0), 0)
+
+
+def ordered_prefix(scores: Tensor, n: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The first ``n`` entries of each row in (score desc, id asc) order, exactly (ties included).
+
+    scores: float32 ``[R, V]``. Returns values float32 ``[R, min(n, V)]`` and ids int64.
+    When n is small against V, the candidates come from the chunks (of length
+    :func:`_chunk_len`) with the largest maxima (``chunk_max`` ``[R, V / L]`` if already
+    computed); otherwise a ``torch.topk`` of the row. NaN counts as larger than any number
+    (as in ``torch.topk``).
+    """
+    R, V = scores.shape
+    n = min(n, V)
+    if n == V:
+        return torch.sort(scores, dim=-1, descending=True, stable=True)
+    if n == 0:
+        return scores[:, :0].clone(), torch.zeros(R, 0, dtype=torch.int64, device=scores.device)
+    L = _chunk_len(V)
+    if L and 4 * (n + 2) <= V // L and scores.is_contiguous():
+        return _ordered_prefix_by_chunks(scores, n, L, chunk_max)
+    return _ordered_prefix_of_rows(scores, n)
+
+
+def _ordered_prefix_of_rows(scores: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` by a top-k of whole rows; rows tied across the cut resolved by id."""
+    vals, ids = torch.topk(scores, n + 1, dim=-1)
+    tie = vals[:, n - 1] == vals[:, n]
+    vals, ids = vals[:, :n], ids[:, :n]
+    if bool(tie.any()):
+        rows = tie.nonzero()[:, 0]
+        s = scores[rows]
+        cut = vals[rows, n - 1 : n]
+        above = (s > cut) | s.isnan()
+        at = s == cut
+        keep = above | (at & (at.cumsum(-1) <= n - above.sum(-1, keepdim=True)))
+        sel = keep.nonzero()[:, 1].view(-1, n)
+        ids, vals = ids.clone(), vals.clone()
+        ids[rows], vals[rows] = sel, s.gather(1, sel)
+    ids, perm = ids.sort(dim=-1)
+    vals, perm2 = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return vals, ids.gather(1, perm2)
+
+
+def _ordered_prefix_of_entries(b: Tensor, r: int, vals: Tensor, ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` of rows given by their entries (``b`` int64 ``[m]``, the row of
+    each, non-decreasing; ``vals`` float32 and ``ids`` int64 ``[m]``, ids increasing within a
+    row), every row holding at least ``n`` of them: laid out by row, stably sorted."""
+    at, ids = _by_row(b, r, ids)
+    laid = torch.full((ids.numel(),), float("-inf"), device=vals.device)  # padding sorts last
+    laid = laid.scatter_(0, at, vals).view(ids.shape)
+    laid, order = laid.sort(dim=-1, descending=True, stable=True)
+    return laid[:, :n], ids.gather(1, order[:, :n])
+
+
+@functools.cache
+def _group_size(S: int, n: int) -> int:
+    """Chunks per group in :func:`_ordered_prefix_by_chunks`: the largest divisor of S leaving at
+    least 2n groups (1 if none)."""
+    return max(d for d in range(1, max(1, S // (2 * n)) + 1) if S % d == 0)
+
+
+def _ordered_prefix_by_chunks(scores: Tensor, n: int, L: int, chunk_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`ordered_prefix` among the chunks of length L whose maxima reach a bound.
+
+    The chunks form m >= 2n groups (chunk j in group j mod m, m dividing their number); the
+    bound is the n-th largest group maximum. The n groups with the largest maxima hold n
+    tokens at or above it, so the first n tokens, and any tied with the n-th, are at or above
+    it, in the chunks whose maxima reach it: exact, without a top-k over the chunk maxima.
+    Rows with NaN, or with fewer than n finite scores, fall back to a whole-row top-k.
+    """
+    R, V = scores.shape
+    chunks = scores.view(R, V // L, L)
+    chunk_max = chunks.amax(-1) if chunk_max is None else chunk_max
+    S = chunk_max.shape[1]
+    g = _group_size(S, n)
+    top = torch.topk(chunk_max.view(R, g, S // g).amax(1), n, dim=-1, sorted=False).values
+    bound = top.amin(-1, keepdim=True)  # NaN in a row with NaN: nothing reaches it, the row falls back
+    bound = bound.clamp(min=torch.finfo(torch.float32).min)  # finite: the -inf tokens stay out
+    flat, b, col = _positions("ge", chunk_max, bound)
+    cand = chunks.reshape(-1, L).index_select(0, flat)  # whole chunks: faster than a gather
+    tok, at, off = _positions("ge", cand, bound.index_select(0, b))
+    b = b.index_select(0, at)
+    bad = torch.bincount(b, minlength=R) < n
+    n_bad = int(bad.sum())
+    if n_bad == R:
+        return _ordered_prefix_of_rows(scores, n)
+    vals, ids = _ordered_prefix_of_entries(b, R, cand.view(-1).index_select(0, tok),
+                                           col.index_select(0, at) * L + off, n)
+    if n_bad:
+        rows = bad.nonzero()[:, 0]
+        vals[rows], ids[rows] = _ordered_prefix_of_rows(scores[rows], n)
+    return vals, ids
+
+
+def _by_row(b: Tensor, r: int, *values: Tensor) -> tuple[Tensor, ...]:
+    """Entries listed by row (``b`` int64 ``[n]``, non-decreasing) laid out as ``[r, C]`` rows
+    padded with zeros, C the longest row. Returns each entry's flat index in that layout, then
+    each of ``values`` laid out."""
+    counts = torch.bincount(b, minlength=r)
+    C = int(counts.max()) if b.numel() else 0
+    row_start = torch.arange(r, device=b.device) * C - (counts.cumsum(0) - counts)  # layout index - list index
+    at = torch.arange(b.numel(), device=b.device) + row_start.index_select(0, b)
+    return at, *(torch.zeros(r * C, dtype=v.dtype, device=v.device).scatter_(0, at, v).view(r, C) for v in values)
+
+
+def _positions(compare: str, x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Where ``x compare bound`` holds (``compare``: "ge" or "eq"): flat indices (``row * C +
+    column``), rows and columns, int64, in row-major order (as ``nonzero(as_tuple=True)``).
+    x: ``[r, C]``; bound: ``[r, 1]``.
+
+    On CPU through NumPy, at about half ATen's cost on masks of millions of entries: its
+    comparison into bools is vectorised (ATen's is not), its flat nonzero faster.
+    """
+    C = x.shape[1]
+    if x.device.type != "cpu":
+        b, col = getattr(torch, compare)(x, bound).nonzero(as_tuple=True)
+        return b * C + col, b, col
+    mask = SCRATCH.get("mask", x.shape, torch.bool, x.device).numpy()
+    getattr(np, {"ge": "greater_equal", "eq": "equal"}[compare])(x.numpy(), bound.numpy(), out=mask)
+    flat = torch.from_numpy(np.flatnonzero(mask))
+    b = flat // max(1, C)
+    return flat, b, flat - b * C
