@@ -1,6 +1,6 @@
 """specsampler: token sampling and lossless speculative-decoding verification on PyTorch.
 
-The public API is the contract of DESIGN.md; every name below is documented with its shapes and
+The public API is the contract of docs/design.md ("Public API"); every name below is documented with its shapes and
 dtypes. ``import specsampler`` loads the core (sampling, verification, the kernels' dispatch);
 ``mlc``, ``longspec``, ``oracle``, ``generate``, ``compat`` and ``parallel`` load when first used.
 Where things live: ARCHITECTURE.md.

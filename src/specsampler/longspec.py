@@ -1,5 +1,6 @@
-"""LongSpec's tree-verification entry points (seed 003), the greedy one as documented and
-the stochastic one made lossless.
+"""LongSpec's tree-verification entry points (sail-sg/LongSpec's ``tree_verification`` and
+``verify_stochastic``), the greedy one as documented and the stochastic one made lossless (docs/design.md,
+"Upstream entry points (MLC-LLM, LongSpec)").
 
 LongSpec's conventions: ``input_ids[b, i]`` is the token of tree node i (node 0 the root,
 the last committed token); ``tree_mask[b, i, j]`` is nonzero when node j is node i or one of

@@ -30,7 +30,7 @@ class SamplingParams:
             on the top-k-renormalised distribution, whose mass reaches ``top_p``; ``1`` is off.
         min_p: in ``[0, 1]``; keep tokens with probability ``>= min_p * max probability``.
 
-    Order of application (DESIGN.md): vocab mask, temperature, top-k, top-p, min-p,
+    Order of application (docs/design.md, "Sampling"): vocab mask, temperature, top-k, top-p, min-p,
     renormalise. "Order" means logit desc, id asc: the order of the probabilities, with ties
     broken by the lower id.
 

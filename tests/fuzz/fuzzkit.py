@@ -1,6 +1,6 @@
 """The fuzz suite's kit: hypothesis profiles, back ends, guards, and the error policy's contract.
 
-The contract (DESIGN.md, "Error policy") checked on every example:
+The contract (docs/design.md, "Error policy") checked on every example:
 
 - the call raises a ``ValueError`` whose message names the op, the argument, what was expected and
   what was found (and, for a bad value, the request), or returns outputs in range (token ids in

@@ -1,4 +1,4 @@
-"""A brute-force, loop-per-token reading of DESIGN.md's sampling rules, for the tests only."""
+"""A brute-force, loop-per-token reading of docs/design.md's sampling rules ("Sampling"), for the tests only."""
 
 import math
 

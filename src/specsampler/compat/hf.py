@@ -1,21 +1,12 @@
 """Hugging Face transformers' speculative sampling on specsampler.
 
-- :func:`speculative_sampling`: transformers' ``generation.utils._speculative_sampling`` (the
-  verification step of ``generate(..., assistant_model=..., do_sample=True)``), same arguments
-  and return, mapped onto :func:`specsampler.verify_chain` (``method="token"``).
-- :func:`patched`: a context manager under which transformers' own assisted generation verifies
-  with specsampler, by ``method="token"`` or ``"block"`` (block verification accepts at least as
-  many drafts in expectation, with the same lossless output).
+- :func:`speculative_sampling`: transformers' ``generation.utils._speculative_sampling``, same arguments
+  and return, mapped onto :func:`specsampler.verify_chain` (``method="token"``);
+- :func:`patched`: a context manager under which transformers' own assisted generation verifies with
+  specsampler, by ``method="token"`` or ``"block"``.
 
-Tested with transformers 5.24 and 4.56.2 (the floor): the signature takes both forms, the 4.x
-one passing ``is_done_candidate`` (the last draft is an EOS, or reaches ``max_length``) fifth.
-transformers is imported only inside :func:`patched`.
-
-Differences from transformers: acceptance is the strict ``u * q(x) < p(x)`` (transformers:
-``u <= p(x) / q(x)``, which accepts a target-probability-0 draft when ``u == 0``); the uniforms of
-the lossless path come from ``torch.rand`` on the device (transformers: ``torch.rand_like`` and
-``torch.multinomial``), so ``torch.manual_seed`` reproduces runs, but not transformers' numbers;
-batch size 1 only, as transformers (a ValueError otherwise).
+transformers is imported only inside :func:`patched`. The versions tested and the differences from
+transformers: docs/design.md, "Drop-in compatibility per peer", ``compat.hf``.
 """
 
 from __future__ import annotations

@@ -3,24 +3,8 @@
     from specsampler.compat.tokenspeed import (chain_speculative_sampling_target_only, verify_chain_greedy,
                                                verify_chain_target_sampled)
 
-tokenspeed (lightseekorg/tokenspeed) verifies one draft chain per request: ``candidates[b, 0]`` is
-the verified token, ``candidates[b, 1:]`` the N - 1 drafts, and every output is written in place at
-flat positions ``b * N + i`` of ``predicts`` and ``accept_index``, only where its kernels write.
-
-===========================================  ======================================================
-tokenspeed                                   specsampler
-===========================================  ======================================================
-``verify_chain_greedy``                      ``verify_chain(method="greedy")`` on the target's tokens
-``verify_chain_target_sampled``              the same (the target's tokens already sampled)
-``chain_speculative_sampling_target_only``   SGLang's acceptance rule on the caller's coins at each
-                                             position; the accepted prefix: ``verify_chain(method=
-                                             "greedy")``; the correction drawn with the final coin
-===========================================  ======================================================
-
-Where they differ from tokenspeed: CPU tensors work (tokenspeed requires CUDA); ``enable_pdl`` and
-``deterministic`` are accepted and ignored; a draft token outside ``[0, V)`` is never accepted.
-Failed checks of its C++ bindings raise :class:`~specsampler.compat.sglang.KernelCheckError` (a
-``RuntimeError`` and a ``ValueError``), those of ``verify_chain_target_sampled`` its own ValueErrors.
+One draft chain per request, every output written in place where tokenspeed's kernels write. The op each
+function maps to and the differences: docs/design.md, "Drop-in compatibility per peer", ``compat.tokenspeed``.
 """
 
 from __future__ import annotations

@@ -1,45 +1,10 @@
 """vLLM v1's rejection sampler (``vllm/v1/sample/rejection_sampler.py``) on specsampler.
 
-``from specsampler.compat.vllm import RejectionSampler, rejection_sample`` in place of vLLM's
-module: the same names, argument order, defaults, output dtypes (int32 ``[B, max_spec_len + 1]``,
-``PLACEHOLDER_TOKEN_ID`` = -1 after each request's tokens) and metadata objects. vLLM is not
-imported: ``metadata`` / ``sampling_metadata`` are read by attribute, so vLLM's own
-``SpecDecodeMetadata`` and ``SamplingMetadata`` work, and so do the stand-ins defined here.
-
-Layout (vLLM's): drafts of all requests are flattened, ``draft_token_ids [T]``, with
-``num_draft_tokens`` (a list, ``B`` ints) and ``cu_num_draft_tokens [B]`` (inclusive cumulative
-sums); ``target_logits [T, V]`` is the target at each draft position; the bonus token of each
-request is sampled outside (``bonus_token_ids [B, 1]``) and emitted when all its drafts are accepted.
-
-Lossless verification maps onto :func:`specsampler.verify_chain_from_logits` (the chain per
-request, padded to ``max_spec_len``):
-
-- sampled drafts (``draft_probs`` given): ``method="token"``, or ``"block"`` with vLLM's
-  ``verify_method="block"`` when ``max_spec_len >= 3`` (vLLM's gate: below it, token);
-- ``draft_probs=None`` (n-gram, suffix drafts): vLLM takes the draft distribution as one-hot at
-  the draft (accept iff ``u < p(x)``, else a token from ``p`` with ``x`` removed). That is, in
-  law, exactly ``method="target_only"`` (draw ``y ~ p``, accept iff ``y == x``): the same
-  acceptance probability ``p(x)`` and the same correction distribution;
-- greedy requests (``temperature == 0``, or ``all_greedy``): the argmax of the target logits,
-  in the same call (temperature 0 rows of :class:`specsampler.SamplingParams`).
-
-Randomness: each request's verification draws from its own counter-based stream
-(:class:`specsampler.Philox`), whose key comes from the request's ``torch.Generator`` in
-``sampling_metadata.generators`` (drawn only when the request has drafts, as vLLM does) or
-from the global generator of the device. A seeded request's tokens are thus reproducible and
-independent of its neighbours; they are not vLLM's numbers. :func:`generate_uniform_probs` and
-:func:`sample_recovered_tokens` reproduce vLLM's draws exactly (its tests compare them with
-references); the lossy modes below use them.
-
-Lossy modes, as vLLM defines them (off by default): ``synthetic`` (accept draft i with a fixed
-conditional rate, for benchmarks) and ``fly`` (FLy's entropy-gated deferral: a rejected draft is
-accepted when the target is uncertain there and the next ``fly_window_size`` drafts would be
-accepted). Their outputs do not follow the target distribution.
-
-Differences from vLLM (all documented per function): bad input raises ``ValueError`` (vLLM
-asserts); top-k keeps exactly k tokens (vLLM keeps every token tied with the k-th logit);
-acceptance is the strict ``u * q(x) < p(x)`` (vLLM: ``q(x) > 0 and p(x) / q(x) >= u``, which accepts
-a target-probability-0 token when ``u == 0``).
+``from specsampler.compat.vllm import RejectionSampler, rejection_sample`` in place of vLLM's module: the
+same names, argument order, defaults, output dtypes and metadata objects (read by attribute: vLLM is not
+imported). Lossless verification is :func:`specsampler.verify_chain_from_logits`. vLLM's layout, the method
+each case maps to, the randomness, vLLM's lossy modes (``synthetic``, ``fly``) and the differences:
+docs/design.md, "Drop-in compatibility per peer", ``compat.vllm``.
 """
 
 from __future__ import annotations
@@ -200,7 +165,7 @@ class RejectionSampler(nn.Module):
             ``rejection_sample_method`` ``"standard"`` (default), ``"synthetic"``
             (with ``synthetic_acceptance_rates``) or ``"fly"`` (with ``fly_window_size``,
             ``fly_entropy_threshold``); ``verify_method`` ``"standard"`` or ``"block"``.
-            ``synthetic`` and ``fly`` are lossy (see the module docstring).
+            ``synthetic`` and ``fly`` are lossy (docs/design.md, "Drop-in compatibility per peer": ``compat.vllm``).
         device: where the synthetic rates live.
     """
 

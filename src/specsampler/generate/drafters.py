@@ -1,14 +1,6 @@
-"""Drafters: a draft model growing a chain or a tree of tokens, and prompt lookup (n-gram) proposals.
-
-The model drafter draws, level after level of a :class:`TreeLayout`, each node's children from
-the draft's processed distribution at the node (i.i.d., without replacement, or its most likely
-tokens), one draft forward per level. Its draws are those of :func:`specsampler.sample` on the
-same random stream (the drafter calls the same inversion with the uniforms of its call, or the
-sampling kernel where the kernels run).
-
-The n-gram drafter needs no model: each request proposes the tokens that followed the latest
-earlier occurrence of its context's last n tokens (n from the largest size down to the smallest),
-as prompt lookup decoding does.
+"""Drafters: a draft model growing a chain or a tree of tokens (:class:`ModelDrafter`, level after level of
+a :class:`TreeLayout`, its draws those of :func:`specsampler.sample` on the same stream), and prompt lookup
+(n-gram) proposals that need no model. How each drafts: docs/design.md, "Speculative generation".
 """
 
 from __future__ import annotations
@@ -85,7 +77,8 @@ class Draft:
 
 
 class ModelDrafter:
-    """A draft model proposing the layout's tree after the root (see the module docstring).
+    """A draft model proposing the layout's tree after the root: each node's children drawn from the draft's
+    processed distribution at the node, one draft forward per level (docs/design.md, "Speculative generation").
 
     ``how``: ``iid``, ``without_replacement`` or ``deterministic``; ``keep_q``: also return the
     draft distributions (the sampled verification methods need them).

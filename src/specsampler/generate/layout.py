@@ -1,13 +1,6 @@
-"""Static draft-tree layouts: the structure of a tree shape, prepared once per shape and device.
-
-A shape ``(c_1, .., c_D)`` (children per node at each depth; a chain is ``(1,) * K``) lays its
-nodes out in level order: the root 0, its ``c_1`` children, their ``c_2`` children each, and so
-on, each node's children together. Every step of a generation drafts the same layout, so its
-parents, links, depths and attention masks are built once here instead of once per step (and
-validated by construction: the tests check them against :class:`specsampler.TokenTree`). Only
-drafting without replacement can leave nodes out (a parent whose draft support is used up has
-fewer children, always its last ones); :meth:`TreeLayout.links` then derives that step's links
-from the layout with a few tensor ops.
+"""Static draft-tree layouts: the structure of a tree shape ``(c_1, .., c_D)`` (children per node at each
+depth, nodes in level order), prepared once per shape and device instead of once per step; the links of a
+step that drafts without replacement derived from it. docs/design.md, "Speculative generation".
 """
 
 from __future__ import annotations
@@ -36,7 +29,8 @@ class TreeLinks:
 
 
 class TreeLayout:
-    """The layout of the branching factors ``branching`` (see the module docstring)."""
+    """The layout of the branching factors ``branching``: the root 0, its ``c_1`` children, their ``c_2``
+    children each, and so on, each node's children together (a chain is ``(1,) * K``)."""
 
     def __init__(self, branching: tuple[int, ...]):
         self.branching = branching

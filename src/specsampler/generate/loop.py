@@ -1,31 +1,10 @@
-"""End-to-end speculative generation with Hugging Face causal LMs.
+"""End-to-end speculative generation with Hugging Face causal LMs: :func:`speculative_generate` (a drafter
+proposes a chain or tree, the target scores it in one forward pass, the verifier accepts a path and one more
+token, the KV caches keep the accepted path) and :func:`generate` (plain sampling, the baseline).
 
-A step: a drafter proposes a chain or a tree of tokens after the last committed token (the
-*root*): a draft model (:class:`~specsampler.generate.drafters.ModelDrafter`) or prompt lookup
-(``drafter="ngram"``, no draft model); the target scores every node in one forward pass with a
-tree attention mask, the verifier accepts a path and one more token, and the models keep the KV
-entries of the accepted path (moved in place, the rest cropped). Output tokens are distributed
-exactly as the target would sample them with ``params`` (greedy at temperature 0).
-
-The loop works on what it built itself: the tree layout of a shape is prepared once
-(:mod:`.layout`), the random draws of many steps are computed at once (:mod:`.draws`), and the
-verifiers are entered past their input checks, every tree row processed in one pass
-(``_verify_chain_prepared`` / ``_verify_tree_prepared``). It gives the tokens the public ops
-(:func:`verify_chain_from_logits`, :func:`verify_tree_from_logits`, :func:`sample`) give on the
-same random streams (tested), with one host read per step (the accepted counts, which the cache
-and the output need). Where the Triton kernels run, drafting, sampling and verification call them.
-
-Models: anything called as a transformers causal LM, ``model(input_ids=[B, n],
-attention_mask=float [B, 1, n, S + n] (0 = visible, dtype min = hidden), position_ids=[B, n],
-cache (past_key_values before transformers 5)=DynamicCache, use_cache=True).logits -> [B, n, V]``:
-Llama, Mistral, Qwen, GPT-NeoX and other full-attention models that take a custom 4-D mask.
-Sliding-window and recurrent layers are not supported.
-
-Batches: each request keeps its own positions; cache slots that hold no committed token of a
-request (left padding, rejected nodes beyond the shortest path of the batch) stay in the
-cache and are hidden by the mask, so requests never see each other's state. A request's
-tokens depend on its own prompt, params and Philox seed; the model's floating-point results
-may still vary slightly with the batch's cache width.
+Output tokens are distributed exactly as the target would sample them. The step, the lean path past the
+public ops' checks, the models supported and how batches keep requests apart: docs/design.md, "Speculative
+generation: ``specsampler.generate``".
 """
 
 from __future__ import annotations
@@ -209,7 +188,7 @@ def generate(
     streams (a :class:`Philox` advances one offset per token).
 
     Args:
-        model: a transformers causal LM (see the module docstring).
+        model: a transformers causal LM (the call it must take: docs/design.md, "Speculative generation").
         input_ids: integer ``[B, L]`` (left-padded with ``attention_mask``) or ``[L]``.
         max_new_tokens: int >= 0.
         params: :class:`SamplingParams` (scalars or ``[B]``); default temperature 1.
@@ -331,7 +310,7 @@ def speculative_generate(
     """Generate with a drafter proposing and the target verifying, losslessly.
 
     Args:
-        target: a transformers causal LM (see the module docstring).
+        target: a transformers causal LM (the call it must take: docs/design.md, "Speculative generation").
         draft: the draft model, over the target's vocabulary; None for ``drafter="ngram"``.
         input_ids: integer ``[B, L]`` (left-padded with ``attention_mask``) or ``[L]``.
         max_new_tokens: int >= 0.

@@ -1,15 +1,9 @@
-"""A built-in draft/target model pair: two small byte-level Llama models trained by the project.
+"""A built-in draft/target model pair: two small byte-level Llama models trained by the project on the Python
+standard library's own source files (nothing is downloaded); the committed weights live in ``PAIR_DIR``.
 
-Both models read bytes (token id = byte value, vocabulary 256) and were trained on the Python
-standard library's own source files, which every Python installation has, so nothing is
-downloaded. The target has 4 layers of width 192 (1.8M parameters); the draft has one layer of
-width 128 (0.23M): clearly weaker, yet it agrees with the target's greedy next byte often, which
-is what speculative decoding needs. Both were trained on windows of 256 bytes: positions past 256
-work (RoPE) but predict worse. The committed weights live in ``PAIR_DIR``;
-``python -m specsampler.generate.modelpair --out DIR`` trains them again, deterministically, in a few
-minutes on two CPU cores.
-
-transformers is an optional dependency: it is imported inside the functions that need it.
+``python -m specsampler.generate.modelpair --out DIR`` trains them again, deterministically, in a few minutes
+on two CPU cores. The models' sizes and training: docs/design.md, "Speculative generation". transformers is
+an optional dependency: it is imported inside the functions that need it.
 """
 
 from __future__ import annotations

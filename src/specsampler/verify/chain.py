@@ -321,7 +321,7 @@ def verify_chain_from_logits(
 
     Each request's :class:`SamplingParams` (temperature 0 = greedy, top-k, top-p, min-p) and
     ``vocab_mask`` apply at all its positions; greedy and sampled requests mix in one batch.
-    Deterministic drafts (``target_only``) take seed 002's path: one draw per position from
+    Deterministic drafts (``target_only``) take tokenspeed's fast chain path: one draw per position from
     the processed target, compared with the draft; the draws are those of
     :func:`specsampler.sample_from_logits` on the same ``rng``. Sampled drafts
     (``token``, ``block``) are verified against the processed target; ``draft_probs`` must be

@@ -212,7 +212,7 @@ def tree(target: Dist, draft: Dist, shape: Sequence[int], method: str, vocab_siz
     shape: children per node at each depth, e.g. ``[2, 2]``: the root has 2 children and each
         of them 2 children. Every child list is drafted from ``draft(prefix of its parent)``
         with ``draft_sampling``; subtrees are drafted independently given their tokens.
-    method: ``"greedy"``, ``"target_only"``, ``"rrs"`` or ``"traversal"`` (DESIGN.md).
+    method: ``"greedy"``, ``"target_only"``, ``"rrs"`` or ``"traversal"`` (docs/design.md, "Algorithms").
     assume: the draft sampling the rrs/traversal verifier is told (``"iid"`` or
         ``"without_replacement"``); default: the true one (``"iid"`` for ``top_k``). A wrong
         assumption (the iid rule on top-k or without-replacement drafts) is lossy, and this

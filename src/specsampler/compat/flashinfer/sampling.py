@@ -1,40 +1,9 @@
 """FlashInfer's sampling API (``flashinfer.sampling``) on specsampler's ops.
 
-Every function keeps FlashInfer's signature, defaults, output dtypes and tuple returns, and maps
-onto one public specsampler op (named in its docstring). What is the same as FlashInfer:
-
-- output tokens int32, or ``indices.dtype`` when ``indices`` is given; ``indices`` ``[N]`` maps
-  output i to the row ``indices[i]`` of the input, which is never gathered ``N`` times (each
-  distinct row is processed once, then one uniform per output is inverted on its row);
-- NaN and non-positive probabilities are never sampled; a row without positive mass gives token 0,
-  and ``valid = False`` with ``return_valid=True``; ``check_nan=True`` raises FlashInfer's
-  ``ValueError("Input probs contains NaN.")`` (``"Input logits ..."`` for ``sampling_from_logits``);
-- a parameter (``top_k``, ``top_p``, ``min_p``) is a scalar or a tensor of one value per input row,
-  with FlashInfer's three ``ValueError`` messages for a 0-D, an N-D or a wrongly sized tensor;
-- ``seed``/``offset`` follow FlashInfer's rules and messages (both or neither; int, or int64/uint64
-  1-D tensors of length 1 or batch on the input's device); without them ``generator`` (or the
-  default generator of the device) supplies the randomness.
-
-Where it differs (all documented per function):
-
-- Seeds: FlashInfer reads only the first element of seed/offset tensors. Here a tensor of length
-  batch gives every output its own stream, Philox key ``seed[i]`` at ``offset[i]`` (a
-  :class:`specsampler.Philox` per row): its token is a function of its own row, seed and offset
-  alone. Rows given equal ``(seed, offset)`` therefore draw equal uniforms: give each row its own
-  seed, or pass one seed for the batch. With one seed (an int or a length-1 tensor), as in
-  FlashInfer, output ``i`` gets its own stream: key ``seed`` with ``i`` XORed into its high 32 bits
-  (FlashInfer's curand subsequence ``i``). Tokens are not bit-identical to FlashInfer's (other
-  random numbers), only identically distributed.
-- Filters are exact on the input values: top-k keeps exactly ``k`` tokens (ties to the lower id;
-  FlashInfer may keep or drop ties at the k-th value), top-p keeps the smallest prefix of the
-  (probability desc, id asc) order whose mass reaches ``p``. ``top_p`` is clamped into
-  ``(0, 1]`` (``0`` keeps the most likely token) and ``min_p`` into ``[0, 1]``; ``top_k <= 0`` or
-  ``>= V`` keeps every token.
-- With ``indices``, tensor parameters are read at the input row ``indices[i]`` (FlashInfer's
-  top-k and min-p kernels read them at the output position ``i``).
-- Shape and dtype errors FlashInfer reports from its C++ checks raise specsampler's ``ValueError``
-  (:class:`specsampler.ValidationError`) here; ``deterministic``/``is_deterministic`` and
-  ``enable_pdl`` are accepted and have no effect (every op here is deterministic given its seeds).
+Every function keeps FlashInfer's signature, defaults, output dtypes and tuple returns, and maps onto one
+public specsampler op (named in its docstring). What stays as in FlashInfer (dtypes, ``indices``, NaN rows,
+parameter and seed checks) and where it differs (every row's seed honoured, exact top-k ties, parameters read
+at the input row, no C++ errors): docs/design.md, "Drop-in compatibility per peer", ``compat.flashinfer``.
 """
 
 from __future__ import annotations
@@ -287,7 +256,7 @@ def sampling_from_probs(
 
     probs: float ``[U, V]`` (need not be normalised); indices: int32/int64 ``[N]``, output i draws from
     ``probs[indices[i]]``. Returns int32 ``[U]`` (``indices.dtype`` ``[N]``), and bool ``valid`` with
-    ``return_valid``. Differences: see the module docstring (seeds).
+    ``return_valid``. Differences (seeds): docs/design.md, "Drop-in compatibility per peer".
     """
     return _from_probs("flashinfer.sampling_from_probs", probs, lambda p, rows: p, indices, generator,
                        check_nan, seed, offset, return_valid)

@@ -2,33 +2,10 @@
 
     import specsampler.compat.sglang as sgl_kernel
 
-The same names, signatures (``retrive_*`` or ``retrieve_*`` keywords), in-place writes, dtype checks
-and messages as sgl_kernel, on CPU and CUDA tensors; ``specsampler.compat.sglang.sampling`` is
-``sgl_kernel.sampling`` (see there for the sampling functions).
-
-==========================================  =======================================================
-sgl_kernel                                  specsampler
-==========================================  =======================================================
-``tree_speculative_sampling_target_only``   SGLang's acceptance rule on the caller's coins at each
-(and ``..._rejmask``, the same function)    node; the walk: ``verify_tree(method="greedy")``; the
-                                            correction drawn from the residual with the final coin
-``verify_tree_greedy``                      ``verify_tree(method="greedy")``
-``top_k_renorm_prob(s)``, ``top_p_...``     ``top_k_renorm``, ``top_p_renorm``
-``*_sampling_from_probs``, ``..._logits``   the filters, then ``sample``
-==========================================  =======================================================
-
-The caller's coins are used as sgl_kernel uses them: the same coins give sgl_kernel's tokens (up to
-float rounding at a cumulative boundary of the correction draw, whose sums sgl_kernel adds in
-another order). Where the tree functions differ from sgl_kernel:
-
-- The tree must be a tree (each node reached once, a parent's index below its children's), as
-  :meth:`specsampler.TokenTree.from_first_child_next_sibling` checks; SGLang's trees are. Building
-  it reads the links on the host (one sync per call).
-- A draft token outside ``[0, V)`` is never accepted (sgl_kernel reads outside the row).
-- ``draft_probs`` may be omitted (None: all zeros, what SGLang's callers pass; also sgl_kernel builds
-  whose signature lacks it, called positionally); ``deterministic`` is accepted and ignored.
-- Inputs need not be contiguous; errors are :class:`KernelCheckError`, both the ``RuntimeError``
-  sgl_kernel raises and the ``ValueError`` of specsampler's error policy.
+The same names, signatures (``retrive_*`` or ``retrieve_*`` keywords), in-place writes, dtype checks and
+messages as sgl_kernel, on CPU and CUDA tensors; ``specsampler.compat.sglang.sampling`` is
+``sgl_kernel.sampling``. The op each function maps to, the caller's coins and where the tree functions
+differ: docs/design.md, "Drop-in compatibility per peer", ``compat.sglang``.
 """
 
 from __future__ import annotations

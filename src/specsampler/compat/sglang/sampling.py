@@ -1,20 +1,10 @@
 """``sgl_kernel.sampling`` on specsampler: top-k / top-p / min-p filters and the draws after them.
 
-Each function has sgl_kernel's name, signature, defaults and outputs (float32 probabilities, int32
-tokens); the filters are :func:`specsampler.top_k_renorm`, :func:`~specsampler.top_p_renorm` and
+Each function has sgl_kernel's name, signature, defaults and outputs (float32 probabilities, int32 tokens);
+the filters are :func:`specsampler.top_k_renorm`, :func:`~specsampler.top_p_renorm` and
 :func:`~specsampler.min_p_renorm`, the draw is :func:`specsampler.sample` (the Triton kernels on CUDA
-tensors). sgl_kernel took these functions from FlashInfer; where specsampler behaves differently:
-
-- ``generator``: a ``torch.Generator`` as in sgl_kernel, or also a :class:`specsampler.Philox`
-  (per-request seeds, a superset). The tokens are those of specsampler's draw (one uniform per
-  output, inverted in id order), distributed as sgl_kernel's but not equal to them token for token.
-- top-k keeps every token tied with the k-th most likely one (sgl_kernel's pivot, pinned by its
-  tests); specsampler's ``top_k_renorm`` alone keeps exactly k, ties to the lower id.
-- ``deterministic`` is accepted and ignored: every path here is deterministic for a given stream.
-- ``indices`` (output i drawn from row ``indices[i]``): the filters run once per row of ``probs``
-  and each output inverts its own uniform on its row, so ``probs[indices]`` is never built; a
-  per-output ``min_p`` tensor (sgl_kernel reads ``min_p[i]`` per output) gathers the rows instead.
-- parameters outside their ranges (top-p in (0, 1], min-p in [0, 1]) raise a ValueError.
+tensors). Where it differs (generators, top-k ties, ``indices``, ranges): docs/design.md, "Drop-in
+compatibility per peer", ``compat.sglang``.
 """
 
 from __future__ import annotations
