@@ -51,7 +51,7 @@ CHAIN_VOCABS: list[int] | None = None  # --chain-vocab: the chain shapes of thes
 STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), None without Triton
 PROGRAMS_PER_SM = None  # programs the kernels' register limit fits on an SM (SPECSAMPLER_PROGRAMS_PER_SM)
 if triton_available():
-    from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels import chain as kchain
     from specsampler.kernels import sampling as ksampling
     from specsampler.kernels.rows import PROGRAMS_PER_SM, parts_per_row, row_config
     from specsampler.kernels.rows import STAGES as _STAGES

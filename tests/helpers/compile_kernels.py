@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from specsampler.kernels import chain, chain_logits, mlc, sampling, tree, tree_logits  # noqa: E402
+from specsampler.kernels import chain, mlc, sampling, tree  # noqa: E402
 
 
 class CompileOnlyDriver:
@@ -117,8 +117,8 @@ def chains(V, dtype):
             for masked in (False, True):
                 mask = torch.rand(B, K + 1, V) < 0.5 if masked else None
                 for rows_in_parallel, parts in ((False, 0), (True, 0), (True, 2)):  # parts: scan_parts first
-                    chain_logits.verify_chain_from_logits(p, x, q, n, method, *_params(B * (K + 1)), mask, *rnd,
-                                                          rows_in_parallel=rows_in_parallel, parts=parts)
+                    chain.verify_chain_from_logits(p, x, q, n, method, *_params(B * (K + 1)), mask, *rnd,
+                                                   rows_in_parallel=rows_in_parallel, parts=parts)
 
 
 def trees(V, dtype):
@@ -135,8 +135,8 @@ def trees(V, dtype):
                 tree.verify_tree(p, tokens, first_child, next_sibling, q, method, draft_sampling, D, *rnd)
                 for masked in (False, True):
                     mask = torch.rand(B, N, V) < 0.5 if masked else None
-                    tree_logits.verify_tree_from_logits(p, tokens, first_child, next_sibling, q, method,
-                                                        draft_sampling, D, *_params(B * N), mask, *rnd)
+                    tree.verify_tree_from_logits(p, tokens, first_child, next_sibling, q, method, draft_sampling, D,
+                                                 *_params(B * N), mask, *rnd)
 
 
 def samplers(V, dtype):

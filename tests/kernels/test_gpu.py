@@ -144,7 +144,7 @@ def test_chain_from_logits_is_the_same_with_rows_described_in_parallel(dtype):
     """The small-batch mode describes rows in a kernel of its own: compiled apart from the chain kernel, it
     must round every sum as the chain kernel does (same code, warps and tiles), or a request's tokens
     would depend on its batch's size."""
-    from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels import chain as kchain
 
     B, K, V = 6, 4, 128256
     logits, p, x, q = _chain_inputs(B=B, K=K, V=V, seed=5)
@@ -165,7 +165,7 @@ def test_chain_from_logits_is_the_same_with_rows_described_in_parallel(dtype):
 def test_target_only_draws_are_the_sampling_kernels_tokens(dtype):
     """target_only's draw at each position is sample_from_logits' for that row: two kernels compiled apart
     (both without FMA contraction) that must round every sum alike, plain-temperature rows included."""
-    from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels import chain as kchain
     from specsampler.kernels import sampling as ksampling
 
     B, K, V = 6, 4, 128256
@@ -191,7 +191,7 @@ def test_first_passes_split_over_programs_change_no_token(dtype):
     """Small batches split each row's first pass over several programs (scan_parts, then one program per row):
     compiled apart from the kernels' own first pass, it must give the same results bit for bit (sampling at
     B=1 and 5, a chain at B=1 for every method)."""
-    from specsampler.kernels import chain_logits as kchain
+    from specsampler.kernels import chain as kchain
     from specsampler.kernels import sampling as ksampling
     from specsampler.kernels.rows import parts_per_row, row_config
 

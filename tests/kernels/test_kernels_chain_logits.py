@@ -19,7 +19,7 @@ import torch
 import specsampler as ss
 from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 from specsampler import SamplingParams as SP
-from specsampler.kernels import chain_logits as kchain
+from specsampler.kernels import chain as kchain
 from specsampler.kernels import sampling as ksampling
 from specsampler.sampling.processing import sample_by_inversion
 

@@ -73,7 +73,7 @@ def test_the_launchers_ask_for_the_register_limit(monkeypatch):
     launched with ``launch_options``: the interpreter ignores ``maxnreg``, so the launches are watched."""
     import torch
 
-    from specsampler.kernels import chain_logits, rows, sampling
+    from specsampler.kernels import chain, rows, sampling
 
     monkeypatch.setattr(rows, "PROGRAMS_PER_SM", 2)  # the default, whatever the environment says
     seen = {}
@@ -87,19 +87,19 @@ def test_the_launchers_ask_for_the_register_limit(monkeypatch):
 
         monkeypatch.setattr(kernel, "run", watched)
 
-    for kernel in (sampling._sample_from_logits_kernel, chain_logits._describe_rows_kernel,
-                   chain_logits._chain_logits_kernel, rows._scan_parts_kernel):
+    for kernel in (sampling._sample_from_logits_kernel, chain._describe_rows_kernel, chain._chain_kernel,
+                   rows._scan_parts_kernel):
         watch(kernel)
     B, K, V = 2, 2, 40
     logits = torch.randn(B, K + 1, V)
     params = (torch.zeros(B * (K + 1)), torch.zeros(B * (K + 1), dtype=torch.int64), torch.ones(B * (K + 1)),
               torch.zeros(B * (K + 1)))  # greedy rows: the launches are what is watched
     sampling.sample_from_logits(logits.view(-1, V), *params, u=torch.rand(B * (K + 1)), parts=2)
-    chain_logits.verify_chain_from_logits(logits, torch.zeros(B, K, dtype=torch.int64), None, None, "greedy",
-                                          *params, rows_in_parallel=True, parts=2)
+    chain.verify_chain_from_logits(logits, torch.zeros(B, K, dtype=torch.int64), None, None, "greedy", *params,
+                                   rows_in_parallel=True, parts=2)
     expected = (8, 128)
     assert seen == {"_sample_from_logits_kernel": expected, "_describe_rows_kernel": expected,
-                    "_chain_logits_kernel": expected, "_scan_parts_kernel": expected}
+                    "_chain_kernel": expected, "_scan_parts_kernel": expected}
 
 
 def test_compile_errors_are_reported(tmp_path):

@@ -31,7 +31,7 @@ from specsampler.rng import STREAM_ACCEPT, uniform
 
 pytest.importorskip("triton")
 from specsampler.kernels import sampling as ksampling  # noqa: E402
-from specsampler.kernels import tree_logits as ktree  # noqa: E402
+from specsampler.kernels import tree as ktree  # noqa: E402
 
 WALKS = [("greedy", "iid"), ("target_only", "iid"), ("rrs", "iid"), ("rrs", "without_replacement"),
          ("traversal", "iid"), ("traversal", "without_replacement")]

@@ -1,8 +1,12 @@
-"""Pieces shared by the kernel modules (:mod:`.chain`, :mod:`.chain_logits`, :mod:`.tree`,
-:mod:`.tree_logits`, :mod:`.sampling`): the randomness of a request (stream ids, Philox keys, uniforms),
-a row's argmax and descriptor, and the launchers' normalisation of their arguments."""
+"""Pieces shared by the kernel modules (:mod:`.chain`, :mod:`.tree`, :mod:`.sampling`): the bundles a kernel
+makes of its arguments (:class:`Strided`, :class:`Randomness`, :class:`LogitRows`) and its row constexprs
+(:class:`RowConfig`), a request's uniforms, a row's argmax, descriptor and draw, and the launchers' normalisation
+of their inputs into keyword arguments. Kernels take tensors as flat arguments (one per line, with its shape)
+and bundle them in their first lines: tools that follow a launch's tensors see them all."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -11,28 +15,107 @@ from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
 from .philox import philox_uniform
-from .rows import STAGES, describe_row
+from .rows import STAGES, describe_row, draw, row_scratch
 
 SAMPLE = tl.constexpr(STREAM_SAMPLE)
 ACCEPT = tl.constexpr(STREAM_ACCEPT)
 TINY = tl.constexpr(1.1754943508222875e-38)  # the reference normalises processed rows by max(sum, tiny)
 
 
+class Strided(NamedTuple):
+    """In a kernel: a ``[B, rows, V]`` tensor with a contiguous last dim (row ``i`` of request ``b`` starts at
+    :func:`row_ptr`)."""
+
+    data: object  # pointer (None where the kernel reads none)
+    stride_b: object
+    stride_row: object
+
+
+class Randomness(NamedTuple):
+    """In a kernel: the uniforms of a batch, Philox keys (``seed``, ``offset``: int64 ``[B]``; the kernel
+    computes the uniforms at the counters of :mod:`specsampler.rng`), or the uniforms themselves (``u_accept``,
+    ``u_sample``: float32 ``[B, n]`` by draw index, rows ``*_stride`` apart). None where unused."""
+
+    seed: object
+    offset: object
+    u_accept: object
+    u_accept_stride: object
+    u_sample: object
+    u_sample_stride: object
+
+
+class LogitRows(NamedTuple):
+    """In a kernel from logits: what it reads besides the logits, each row's parameters (float32 / int64
+    ``[B * rows]``, request-major: row ``i`` of request ``b`` at ``b * rows + i``), the vocabulary mask
+    (:class:`Strided` uint8, True = allowed; its data None: all allowed) and the scratch of its programs
+    (:func:`specsampler.kernels.rows.row_scratch`)."""
+
+    vocab_mask: Strided
+    temperature: object
+    top_k: object
+    top_p: object
+    min_p: object
+    fscratch: object
+    iscratch: object
+
+
+class RowConfig(NamedTuple):
+    """The constexprs of the row functions (:func:`specsampler.kernels.rows.row_config`), one kernel
+    argument (``ROWS``)."""
+
+    CHUNK: int
+    BLOCK_CHUNKS: int
+    NCH_P2: int
+    CAND: int
+    NUCLEUS: int
+    GROUP: int
+    SEARCH_BLOCK: int
+    NPIV: int
+
+
 @triton.jit
-def request_keys(seed_ptr, offset_ptr, b, PHILOX: tl.constexpr):
-    """Request ``b``'s Philox ``(seed, offset)`` (int64 scalars); ``(0, 0)`` (not read) without ``PHILOX``."""
+def row_ptr(t, b, i):
+    """Row ``i`` of request ``b`` of a :class:`Strided` tensor."""
+    return t.data + b * t.stride_b + i * t.stride_row
+
+
+@triton.jit
+def mask_row(rows, logits_row, b, i, HAS_MASK: tl.constexpr):
+    """Row ``i`` of request ``b`` of the vocabulary mask of :class:`LogitRows` ``rows``; without a mask the
+    logits row, which :func:`specsampler.kernels.rows.load_logits` then never reads as a mask."""
+    return row_ptr(rows.vocab_mask, b, i) if HAS_MASK else logits_row
+
+
+@triton.jit
+def scratch_rows(rows, p, ROWS: tl.constexpr):
+    """The scratch rows (float32, int64) of program (or row) ``p`` in :class:`LogitRows` ``rows``."""
+    return rows.fscratch + p * (3 * ROWS.NCH_P2), rows.iscratch + p * (2 * ROWS.CAND)
+
+
+@triton.jit
+def request_keys(randomness, b, PHILOX: tl.constexpr):
+    """Request ``b``'s keys for :func:`uniform`: ``(b, seed, offset)``, the Philox keys loaded once (int64
+    scalars; 0 without ``PHILOX``)."""
     seed = 0
     offset = 0
     if PHILOX:
-        seed = tl.load(seed_ptr + b)
-        offset = tl.load(offset_ptr + b)
-    return seed, offset
+        seed = tl.load(randomness.seed + b)
+        offset = tl.load(randomness.offset + b)
+    return b, seed, offset
 
 
 @triton.jit
-def uniform(u_row, seed, offset, index, STREAM: tl.constexpr, PHILOX: tl.constexpr):
-    """The request's uniform at draw ``index`` of ``STREAM``: Philox in-kernel, or precomputed ``u_row[index]``."""
-    return tl.sum(philox_uniform(seed, offset, index, STREAM), 0) if PHILOX else tl.load(u_row + index)
+def uniform(randomness, keys, index, STREAM: tl.constexpr, PHILOX: tl.constexpr):
+    """The request's uniform at draw ``index`` of ``STREAM`` (``keys``: :func:`request_keys`): Philox
+    in-kernel, or the given ``u_accept`` / ``u_sample`` at ``index``."""
+    b, seed, offset = keys
+    if PHILOX:
+        u = tl.sum(philox_uniform(seed, offset, index, STREAM), 0)
+    elif STREAM == ACCEPT:
+        u = tl.load(randomness.u_accept + b * randomness.u_accept_stride + index)
+    else:
+        u = tl.load(randomness.u_sample + b * randomness.u_sample_stride + index)
+    return u
 
 
 @triton.jit
@@ -51,20 +134,42 @@ def argmax(row, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def describe(logits_row, mask_row, r, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-             iscratch_row, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-             NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
-             SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):
-    """:func:`describe_row` of the row whose parameters are at index ``r``, in fixed types (a
-    descriptor is carried through loops)."""
+def describe(rows, r, logits_row, mask_row, V, fscratch_row, iscratch_row, HAS_MASK: tl.constexpr,
+             ROWS: tl.constexpr):
+    """The descriptor of a row of logits whose parameters are at index ``r`` of :class:`LogitRows` ``rows``
+    (:func:`specsampler.kernels.rows.describe_row`): the tuple ``(m, inv_t, tau, id_cut, w_min, z, in_regs,
+    cand_ids, cand_w)``, in fixed types (a descriptor is carried through loops)."""
     m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
-        logits_row, mask_row, V, tl.load(temperature_ptr + r), tl.load(top_k_ptr + r), tl.load(top_p_ptr + r),
-        tl.load(min_p_ptr + r), fscratch_row, iscratch_row,
-        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+        logits_row, mask_row, V, tl.load(rows.temperature + r), tl.load(rows.top_k + r), tl.load(rows.top_p + r),
+        tl.load(rows.min_p + r), fscratch_row, iscratch_row, HAS_MASK, ROWS.CHUNK, ROWS.BLOCK_CHUNKS, ROWS.NCH_P2,
+        ROWS.CAND, ROWS.NUCLEUS, ROWS.GROUP, ROWS.SEARCH_BLOCK, ROWS.NPIV)
+    return fixed_types(m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w)
+
+
+@triton.jit
+def fixed_types(m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w):
+    """A descriptor tuple whose scalars are float32 / int32 tensors whatever the values were made of."""
     f = tl.full((), 0.0, tl.float32)
     i = tl.full((), 0, tl.int32)
     return (m + f, inv_t + f, tau + f, (id_cut + i).to(tl.int32), w_min + f, z + f, (in_regs + i).to(tl.int32),
             cand_ids.to(tl.int32), cand_w.to(tl.float32))
+
+
+@triton.jit
+def choose(take, a, b):
+    """Descriptor ``a`` where ``take``, else ``b``."""
+    return (tl.where(take, a[0], b[0]), tl.where(take, a[1], b[1]), tl.where(take, a[2], b[2]),
+            tl.where(take, a[3], b[3]), tl.where(take, a[4], b[4]), tl.where(take, a[5], b[5]),
+            tl.where(take, a[6], b[6]), tl.where(take, a[7], b[7]), tl.where(take, a[8], b[8]))
+
+
+@triton.jit
+def draw_from(u, d, logits_row, mask_row, V, fscratch_row, HAS_MASK: tl.constexpr, ROWS: tl.constexpr):
+    """:func:`specsampler.kernels.rows.draw` of the uniform ``u`` from a row of descriptor ``d``: the token
+    (int32) and its kept weight."""
+    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = d
+    return draw(u, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row, V,
+                fscratch_row, HAS_MASK, ROWS.CHUNK, ROWS.NCH_P2)
 
 
 def last_dim_contiguous(t: Tensor) -> Tensor:
@@ -72,16 +177,30 @@ def last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def mask_strides(vocab_mask: Tensor | None, logits: Tensor) -> tuple[Tensor, int, int]:
-    """A vocabulary mask ``[B * M, V]`` (request-major) or ``[B, M, V]`` for logits ``[B, M, V]``:
-    (mask as uint8, request stride, row stride); the logits and zero strides when there is none."""
-    if vocab_mask is None:
-        return logits, 0, 0
-    mask = last_dim_contiguous(vocab_mask)
-    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    if mask.dim() == 2:
-        return mask, mask.stride(0) * logits.shape[1], mask.stride(0)
-    return mask, mask.stride(0), mask.stride(1)
+def strides(t: Tensor | None) -> tuple[int, int]:
+    """The batch and row strides of a ``[B, rows, V]`` tensor; ``(0, 0)`` for none (the kernel reads none)."""
+    return (0, 0) if t is None else (t.stride(0), t.stride(1))
+
+
+def logit_rows(logits: Tensor, vocab_mask: Tensor | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+               min_p: Tensor, programs: int, cfg: dict) -> dict:
+    """The kernel arguments of a :class:`LogitRows` for logits ``[B, rows, V]``: ``vocab_mask`` bool or uint8
+    ``[B * rows, V]`` (request-major) or ``[B, rows, V]``, any strides but the last dim's (None: all allowed);
+    the parameters ``[B * rows]``; the scratch of ``programs`` programs for row config ``cfg``."""
+    mask, mask_strides = None, (0, 0)
+    if vocab_mask is not None:
+        mask = last_dim_contiguous(vocab_mask)
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        mask_strides = (mask.stride(0) * logits.shape[1], mask.stride(0)) if mask.dim() == 2 else strides(mask)
+    fscratch, iscratch = row_scratch(programs, cfg, logits.device)
+    return dict(vocab_mask_ptr=mask, vocab_mask_stride_b=mask_strides[0], vocab_mask_stride_row=mask_strides[1],
+                temperature_ptr=temperature.contiguous(), top_k_ptr=top_k.contiguous(), top_p_ptr=top_p.contiguous(),
+                min_p_ptr=min_p.contiguous(), fscratch_ptr=fscratch, iscratch_ptr=iscratch)
+
+
+# the kernel arguments of logit_rows for a kernel reading probabilities
+NO_LOGIT_ROWS = dict(vocab_mask_ptr=None, vocab_mask_stride_b=0, vocab_mask_stride_row=0, temperature_ptr=None,
+                     top_k_ptr=None, top_p_ptr=None, min_p_ptr=None, fscratch_ptr=None, iscratch_ptr=None)
 
 
 def check_randomness(op: str, method: str, seed, u_accept: Tensor | None, u_sample: Tensor | None,
@@ -94,19 +213,19 @@ def check_randomness(op: str, method: str, seed, u_accept: Tensor | None, u_samp
     return philox
 
 
-def randomness(seed, offset, u_accept: Tensor | None, u_sample: Tensor | None, B: int, device,
-               unused: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The kernels' ``(seed, offset, u_accept, u_sample)`` arguments: with ``seed``, the Philox keys as
-    int64 ``[B]`` (ints broadcast, offset None = 0), else the given uniforms as contiguous float32;
-    ``unused`` (any tensor) stands for the side not read."""
+def randomness(seed, offset, u_accept: Tensor | None, u_sample: Tensor | None, B: int, device) -> dict:
+    """The kernel arguments of a :class:`Randomness`: with ``seed``, the Philox keys as int64 ``[B]`` (ints
+    broadcast, offset None = 0), else the given uniforms as contiguous float32 with their row strides."""
     if seed is None:
-        ua = unused if u_accept is None else u_accept.float().contiguous()
-        us = unused if u_sample is None else u_sample.float().contiguous()
-        return unused, unused, ua, us
+        ua = None if u_accept is None else u_accept.float().contiguous()
+        us = None if u_sample is None else u_sample.float().contiguous()
+        return dict(seed_ptr=None, offset_ptr=None, u_accept_ptr=ua, u_accept_stride=0 if ua is None else ua.stride(0),
+                    u_sample_ptr=us, u_sample_stride=0 if us is None else us.stride(0))
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device).expand(B).contiguous()
     offset = torch.zeros_like(seed) if offset is None else (
         torch.as_tensor(offset, dtype=torch.int64, device=device).expand(B).contiguous())
-    return seed, offset, unused, unused
+    return dict(seed_ptr=seed, offset_ptr=offset, u_accept_ptr=None, u_accept_stride=0, u_sample_ptr=None,
+                u_sample_stride=0)
 
 
 def block_size(block_v: int, V: int) -> int:

@@ -12,11 +12,9 @@ import torch
 from torch import Tensor
 
 from . import chain as _chain
-from . import chain_logits as _chain_logits
 from . import mlc as _mlc
 from . import sampling as _sampling
 from . import tree as _tree
-from . import tree_logits as _tree_logits
 
 
 @torch.library.custom_op("specsampler::verify_chain", mutates_args=())
@@ -98,10 +96,9 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, draft_
                              num_drafts: Tensor, method: str, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                              min_p: Tensor, vocab_mask: Tensor | None, seed: Tensor | None, offset: Tensor | None,
                              u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[Tensor, Tensor]:
-    """:func:`specsampler.kernels.chain_logits.verify_chain_from_logits`: tokens ``[B, K+1]``, num_accepted ``[B]``."""
-    return _chain_logits.verify_chain_from_logits(target_logits, draft_tokens, draft_probs, num_drafts, method,
-                                                  temperature, top_k, top_p, min_p, vocab_mask, seed, offset,
-                                                  u_accept, u_sample)
+    """:func:`specsampler.kernels.chain.verify_chain_from_logits`: tokens ``[B, K+1]``, num_accepted ``[B]``."""
+    return _chain.verify_chain_from_logits(target_logits, draft_tokens, draft_probs, num_drafts, method, temperature,
+                                           top_k, top_p, min_p, vocab_mask, seed, offset, u_accept, u_sample)
 
 
 @verify_chain_from_logits.register_fake
@@ -117,10 +114,10 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, first_c
                             temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                             vocab_mask: Tensor | None, seed: Tensor | None, offset: Tensor | None,
                             u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`specsampler.kernels.tree_logits.verify_tree_from_logits`: path ``[B, D+1]``, num_accepted, y ``[B]``."""
-    return _tree_logits.verify_tree_from_logits(target_logits, draft_tokens, first_child, next_sibling, draft_probs,
-                                                method, draft_sampling, max_depth, temperature, top_k, top_p, min_p,
-                                                vocab_mask, seed, offset, u_accept, u_sample)
+    """:func:`specsampler.kernels.tree.verify_tree_from_logits`: path ``[B, D+1]``, num_accepted, y ``[B]``."""
+    return _tree.verify_tree_from_logits(target_logits, draft_tokens, first_child, next_sibling, draft_probs, method,
+                                         draft_sampling, max_depth, temperature, top_k, top_p, min_p, vocab_mask, seed,
+                                         offset, u_accept, u_sample)
 
 
 @verify_tree_from_logits.register_fake

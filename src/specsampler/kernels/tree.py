@@ -1,48 +1,17 @@
-"""Tree verification from probabilities: one Triton program per request (see :mod:`specsampler.treeverify`).
+"""Tree verification: one Triton program per request walks its draft tree along ``first_child`` / ``next_sibling``.
 
-Each program walks its request's tree along the ``first_child`` / ``next_sibling`` links and
-reads only what the walk needs:
-
-- ``greedy`` / ``target_only``: at each node of the path one pass (argmax) or two (the draw's
-  total, then a search that stops at the token found) over its target row; the children are
-  matched by their token ids alone.
-- ``rrs``: at each node of the path the children are tested with two scalar loads each
-  (``r(x_c)``, ``q(x_c)``); each rejection is one pass over ``r`` and ``q`` writing the new
-  residual; the correction is drawn from ``r`` at the last node. Target rows of nodes off the
-  path are never read, nor draft rows of children never tested (``without_replacement``: only
-  the first child's, which all siblings share).
-- ``traversal``: the current leftmost path's slots hold ``Mb``, ``Ms`` (without replacement)
-  and ``a``; pushing a node is two scalar loads, deleting a leaf one pass over its parent's
-  ``Mb`` and ``q``. A target row is read only when the node gets children pushed, or is the
-  accepted last node; nodes after the accepted node's subtree in depth-first order are never
-  touched.
-
-All three kernels also serve :mod:`specsampler.kernels.tree_logits` (``FROM_LOGITS``): one walk
-each, whether target rows are probabilities or logits processed on the way.
-
-Rows that change (``r``, ``q`` of ``rrs`` without replacement, ``Mb``, ``Ms``) live in a
-per-request scratch buffer in global memory, unnormalised: such a row holds ``w`` and its
-divisor ``max(sum(w), 1e-30)`` is kept aside, and its value is read as ``w / divisor``, which
-is exactly the reference's normalised row (the same float32 division) without a
-normalisation pass. Until a row first changes it is read in place from the input. A residual
-without mass leaves the row as it was, so ``r`` and ``Mb`` are written to a second buffer and
-the buffers swapped only when the new row has mass.
-
-Categorical draws are by inversion as :func:`specsampler.processing.sample_by_inversion`:
-the first id of positive weight whose cumulative weight exceeds ``u * total``, else the last
-id of positive weight (0 for a row without mass). Sums are taken block by block in float32,
-so a result can differ from the reference's only where float rounding decides (a uniform
-within rounding of a cumulative boundary, an acceptance ratio within rounding of the
-uniform). Kernels are launched without floating-point contraction (no fused multiply-add),
-as the reference computes ``a * Mb - q``.
-
-Randomness: the acceptance test of node c (``rrs``: child c tested; ``traversal``: leaf c) is
-``STREAM_ACCEPT`` index c; the draw at node v is ``STREAM_SAMPLE`` index v (:mod:`specsampler.rng`).
+One kernel per method serves :func:`specsampler.verify.tree.verify_tree` (target rows are probabilities) and
+:func:`specsampler.verify.tree.verify_tree_from_logits` (``FROM_LOGITS``: a row of logits is processed by its
+parameters when the walk first needs it, through its descriptor, :mod:`specsampler.kernels.rows`). A walk reads
+only the rows it visits. Rows that change (residuals, ``Mb``, ``Ms``) live unnormalised in a per-request scratch
+buffer with their divisor kept aside (``w / divisor`` is the reference's normalised row, the same float32
+division); a residual without mass leaves its row as it was. Draws are by inversion as
+:func:`specsampler.sampling.sample_by_inversion`, sums taken block by block in float32 (a result can differ from
+the reference's only where rounding decides), without fused multiply-add. Randomness: the acceptance test of node
+c is ``STREAM_ACCEPT`` index c, the draw at node v ``STREAM_SAMPLE`` index v (:mod:`specsampler.rng`).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -51,24 +20,32 @@ from torch import Tensor
 
 from .common import (
     ACCEPT,
+    NO_LOGIT_ROWS,
     SAMPLE,
     TINY,
+    LogitRows,
+    Randomness,
+    RowConfig,
+    Strided,
     argmax,
     block_size,
     check_randomness,
     describe,
+    draw_from,
     last_dim_contiguous,
+    logit_rows,
+    mask_row,
     randomness,
     request_keys,
+    row_ptr,
+    scratch_rows,
     uniform,
 )
-from .rows import STAGES, draw, invert, kept_weights, load_logits, scan_row
+from .rows import STAGES, invert, kept_weights, launch_options, load_logits, row_config, scan_row
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
 _TINY_MASS = tl.constexpr(1e-30)  # the reference's clamp of divisors
-# the row descriptor's sizes for the shared kernels reading probabilities (no descriptor)
-_NO_DESCRIPTOR = dict(CHUNK=1, BLOCK_CHUNKS=1, NCH_P2=1, CAND=1, NUCLEUS=1, GROUP=1, SEARCH_BLOCK=1, NPIV=1)
 
 
 @triton.jit
@@ -168,28 +145,64 @@ def _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y):
 
 
 @triton.jit
+def _node_rows(target, rows, b, v, FROM_LOGITS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Node ``v`` of request ``b``: its target row and vocabulary mask row (the target row where there is none,
+    never read as a mask)."""
+    target_row = row_ptr(target, b, v)
+    vocab_mask_row = mask_row(rows, target_row, b, v, HAS_MASK) if FROM_LOGITS else target_row
+    return target_row, vocab_mask_row
+
+
+@triton.jit
 def _draws_kernel(
-    src_ptr, mask_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    seed_ptr, offset_ptr, us_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_sb, stride_sn, stride_mb, stride_mn,
-    FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
-    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
+    target_stride_b,
+    target_stride_row,
+    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
+    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
+    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
+    seed_ptr,  # int64 [B] (PHILOX), else None
+    offset_ptr,  # int64 [B] (PHILOX), else None
+    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
+    u_accept_stride,
+    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
+    u_sample_stride,
+    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
+    vocab_mask_stride_b,
+    vocab_mask_stride_row,
+    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
+    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
+    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
+    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
+    path_ptr,  # out int64 [B, D+1]
+    num_accepted_ptr,  # out int64 [B]
+    y_ptr,  # out int64 [B]
+    N,  # nodes per tree
+    V,  # vocabulary size
+    D,  # the tree's max_depth
+    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
+    GREEDY: tl.constexpr,  # greedy, else target_only
+    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the passes over probabilities
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
+    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
 ):
-    """greedy / target_only: y at the current node (the argmax, or the draw), move to its first child
-    carrying y. Rows are probabilities, or with ``FROM_LOGITS`` logits processed by their row's
-    parameters (mask, descriptor scratch: only then)."""
+    """greedy / target_only (:func:`specsampler.verify.tree._walk_draws`; plain loop
+    :func:`specsampler.verify.reference.tree_draws`): y at the current node (the argmax, or the draw: from logits
+    that of :func:`specsampler.kernels.rows.draw`, as ``sample_from_logits`` draws), then move to its first child
+    carrying y (children are matched by their token ids alone)."""
+    target = Strided(target_ptr, target_stride_b, target_stride_row)
+    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
+    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
+                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     b = tl.program_id(0).to(tl.int64)
-    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    s_b = src_ptr + b * stride_sb
-    mk_b = mask_ptr + b * stride_mb
-    x_b = x_ptr + b * N
-    fc_b = fc_ptr + b * N
-    ns_b = ns_ptr + b * N
-    us_b = us_ptr + b * N
-    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
-    iscratch_row = iscratch_ptr + b * (2 * CAND)
+    keys = request_keys(randomness, b, PHILOX)
+    x_b = draft_tokens_ptr + b * N
+    fc_b = first_child_ptr + b * N
+    ns_b = next_sibling_ptr + b * N
     slots = tl.arange(0, BLOCK_D)
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
     v = tl.full((), 0, tl.int64)
@@ -197,65 +210,96 @@ def _draws_kernel(
     y = tl.full((), 0, tl.int64)
     walking = n == 0
     while walking:
-        row = s_b + v * stride_sn
-        mask_row = mk_b + v * stride_mn
+        row, vocab_mask_row = _node_rows(target, rows, b, v, FROM_LOGITS, HAS_MASK)
         if not FROM_LOGITS:
             if GREEDY:
                 y = argmax(row, V, BLOCK_V).to(tl.int64)
             else:
-                y = _invert(row, row, 0, 1.0, uniform(us_b, seed, offset, v, SAMPLE, PHILOX), V, BLOCK_V)
-        elif GREEDY:
-            _, arg = scan_row(row, mask_row, V, 1.0, False, fscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
-            y = arg.to(tl.int64)
+                y = _invert(row, row, 0, 1.0, uniform(randomness, keys, v, SAMPLE, PHILOX), V, BLOCK_V)
         else:
-            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
-                row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
-            token, _ = draw(uniform(us_b, seed, offset, v, SAMPLE, PHILOX), m, inv_t, tau, cut, w_min, z, regs,
-                            cand_ids, cand_w, row, mask_row, V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
-            y = token.to(tl.int64)
+            fscratch_row, iscratch_row = scratch_rows(rows, b, ROWS)
+            if GREEDY:
+                _, arg = scan_row(row, vocab_mask_row, V, 1.0, False, fscratch_row, HAS_MASK, ROWS.CHUNK,
+                                  ROWS.BLOCK_CHUNKS, ROWS.NCH_P2)
+                y = arg.to(tl.int64)
+            else:
+                d = describe(rows, b * N + v, row, vocab_mask_row, V, fscratch_row, iscratch_row, HAS_MASK, ROWS)
+                token, _ = draw_from(uniform(randomness, keys, v, SAMPLE, PHILOX), d, row, vocab_mask_row, V,
+                                     fscratch_row, HAS_MASK, ROWS)
+                y = token.to(tl.int64)
         found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
         walking = found >= 0
         if walking:
             n += 1
             path = tl.where(slots == n, found, path)
             v = found
-    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
+    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
 def _rrs_kernel(
-    target_ptr, mask_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_tb, stride_tn, stride_mb, stride_mn, stride_qb, stride_qn,
-    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
-    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
+    target_stride_b,
+    target_stride_row,
+    draft_probs_ptr,  # float [B, N, V], last dim contiguous: row c = the distribution node c's token was drawn from
+    draft_probs_stride_b,
+    draft_probs_stride_row,
+    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
+    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
+    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
+    seed_ptr,  # int64 [B] (PHILOX), else None
+    offset_ptr,  # int64 [B] (PHILOX), else None
+    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
+    u_accept_stride,
+    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
+    u_sample_stride,
+    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
+    vocab_mask_stride_b,
+    vocab_mask_stride_row,
+    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
+    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
+    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
+    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
+    scratch_ptr,  # float32 [B, 3 if WO else 2, V]: the residual twice, the shared q (WO)
+    path_ptr,  # out int64 [B, D+1]
+    num_accepted_ptr,  # out int64 [B]
+    y_ptr,  # out int64 [B]
+    N,  # nodes per tree
+    V,  # vocabulary size
+    D,  # the tree's max_depth
+    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
+    WO: tl.constexpr,  # drafts drawn without replacement (siblings share the first child's q)
+    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the residual passes
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
+    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
 ):
-    """Recursive rejection sampling down the tree. Target rows are probabilities, or with
-    ``FROM_LOGITS`` logits processed by each row's parameters (``mask_ptr`` .. ``iscratch_ptr``
-    and the descriptor constants are then read; otherwise unused).
+    """Recursive rejection sampling down the tree (:func:`specsampler.verify.tree._walk_rrs`; plain loop
+    :func:`specsampler.verify.reference.tree_rrs`).
 
-    At each node the residual ``r`` starts as the target row: from logits in registers at the
-    kept tokens (``r_vec``, when the descriptor holds them), else read in place (through the
-    descriptor) until a rejection writes it to scratch rows 0 and 1 (one current, one to write
-    the next into). Scratch row 2 holds the shared ``q`` (without replacement).
+    At each node the children are tested with ``r(x_c)`` and ``q(x_c)``; a rejection sets
+    ``r = norm(max(r - q, 0))`` (one pass over r and q, unchanged without mass) and, without replacement,
+    removes ``x_c`` from the shared q; the correction is drawn from r at the last node. The residual r starts
+    as the target row: from logits in registers at the kept tokens (``r_vec``, when the descriptor holds them,
+    a rejection then gathers q there only), else read in place (through the descriptor) until a rejection
+    writes it to scratch rows 0 and 1 (one current, one to write the next into). Scratch row 2 holds the
+    shared q (without replacement).
     """
+    target = Strided(target_ptr, target_stride_b, target_stride_row)
+    draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
+    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
+    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
+                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     b = tl.program_id(0).to(tl.int64)
-    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    t_b = target_ptr + b * stride_tb
-    mk_b = mask_ptr + b * stride_mb
-    q_b = q_ptr + b * stride_qb
-    x_b = x_ptr + b * N
-    fc_b = fc_ptr + b * N
-    ns_b = ns_ptr + b * N
-    ua_b = ua_ptr + b * N
-    us_b = us_ptr + b * N
+    keys = request_keys(randomness, b, PHILOX)
+    x_b = draft_tokens_ptr + b * N
+    fc_b = first_child_ptr + b * N
+    ns_b = next_sibling_ptr + b * N
     scratch = scratch_ptr + b * (3 if WO else 2) * V
     q_held_row = scratch + 2 * V
-    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
-    iscratch_row = iscratch_ptr + b * (2 * CAND)
     cols = tl.arange(0, BLOCK_V)
     slots = tl.arange(0, BLOCK_D)
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
@@ -264,26 +308,25 @@ def _rrs_kernel(
     y = tl.full((), 0, tl.int64)
     walking = n == 0
     while walking:
-        target_row = t_b + v * stride_tn
-        mask_row = mk_b + v * stride_mn
+        target_row, vocab_mask_row = _node_rows(target, rows, b, v, FROM_LOGITS, HAS_MASK)
         if FROM_LOGITS:
+            fscratch_row, iscratch_row = scratch_rows(rows, b, ROWS)
             m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
-                target_row, mask_row, b * N + v, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row,
-                iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+                rows, b * N + v, target_row, vocab_mask_row, V, fscratch_row, iscratch_row, HAS_MASK, ROWS)
         else:  # probabilities: no descriptor, nothing in registers
             m = tl.full((), 0.0, tl.float32)
             inv_t, tau, w_min, z = m, m, m, m
             regs = tl.full((), 0, tl.int32)
             cut = regs
-            cand_ids = tl.zeros((CAND,), tl.int32) + V
-            cand_w = tl.zeros((CAND,), tl.float32)
+            cand_ids = tl.zeros((1,), tl.int32) + V
+            cand_w = tl.zeros((1,), tl.float32)
         cand_in = cand_ids < V
         r_vec = tl.div_rn(cand_w, tl.maximum(z, TINY))  # r = p_v at the kept tokens (regs != 0)
         r_held = tl.full((), 0, tl.int32)  # otherwise r = p_v until a rejection changes it
         r_buf = tl.full((), 0, tl.int32)
         r_div = tl.full((), 1.0, tl.float32)
         kid = tl.load(fc_b + v)
-        q_shared = q_b + tl.maximum(kid, 0) * stride_qn  # the first child's q, shared by its siblings
+        q_shared = row_ptr(draft_probs, b, tl.maximum(kid, 0))  # the first child's q, shared by its siblings
         q_held = tl.full((), 0, tl.int32)
         q_div = tl.full((), 1.0, tl.float32)
         chosen = tl.full((), -1, tl.int64)
@@ -291,15 +334,15 @@ def _rrs_kernel(
             x = tl.load(x_b + kid)
             inside = (x >= 0) & (x < V)
             xc = tl.minimum(tl.maximum(x, 0), V - 1).to(tl.int32)
-            q_row = q_shared if WO else q_b + kid * stride_qn
+            q_row = q_shared if WO else row_ptr(draft_probs, b, kid)
             q_x = _row(q_row, q_held_row, q_held, q_div, xc, xc >= 0)
             r_x = tl.full((), 0.0, tl.float32)
             if regs != 0:
                 r_x = tl.sum(tl.where(cand_ids == xc, r_vec, 0.0), 0)
             else:
-                r_x = _target(target_row, mask_row, scratch + r_buf * V, r_held, r_div, xc, V, m, inv_t, tau, cut,
-                              w_min, z, FROM_LOGITS, HAS_MASK)
-            u = uniform(ua_b, seed, offset, kid, ACCEPT, PHILOX)
+                r_x = _target(target_row, vocab_mask_row, scratch + r_buf * V, r_held, r_div, xc, V, m, inv_t, tau,
+                              cut, w_min, z, FROM_LOGITS, HAS_MASK)
+            u = uniform(randomness, keys, kid, ACCEPT, PHILOX)
             if inside & (u * q_x < r_x):
                 chosen = kid
             else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
@@ -322,8 +365,8 @@ def _rrs_kernel(
                     mask = offs < V
                     q = _row(q_row, q_held_row, q_held, q_div, offs, mask)
                     if regs == 0:
-                        d = _target(target_row, mask_row, scratch + r_buf * V, r_held, r_div, offs, V, m, inv_t,
-                                    tau, cut, w_min, z, FROM_LOGITS, HAS_MASK) - q
+                        d = _target(target_row, vocab_mask_row, scratch + r_buf * V, r_held, r_div, offs, V, m,
+                                    inv_t, tau, cut, w_min, z, FROM_LOGITS, HAS_MASK) - q
                         w = tl.where(d < 0.0, 0.0, d)
                         tl.store(scratch + out * V + offs, w, mask=mask)
                         mass += tl.sum(w, 0)
@@ -347,35 +390,66 @@ def _rrs_kernel(
             path = tl.where(slots == n, chosen, path)
             v = chosen
         else:
-            u = uniform(us_b, seed, offset, v, SAMPLE, PHILOX)
+            u = uniform(randomness, keys, v, SAMPLE, PHILOX)
             if regs != 0:
                 y = _draw_in_regs(u, cand_ids, r_vec)
             elif r_held != 0:
                 y = _invert(target_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
             else:  # r = p_v
                 if FROM_LOGITS:  # the draw of the descriptor (the chunk masses are still in fscratch)
-                    token, _ = draw(u, m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w, target_row, mask_row,
-                                    V, fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+                    fscratch_row, _ = scratch_rows(rows, b, ROWS)
+                    token, _ = draw_from(u, (m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w), target_row,
+                                         vocab_mask_row, V, fscratch_row, HAS_MASK, ROWS)
                     y = token.to(tl.int64)
                 else:
                     y = _invert(target_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
-    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y)
+    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 @triton.jit
 def _traversal_kernel(
-    target_ptr, mask_ptr, q_ptr, x_ptr, fc_ptr, ns_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    seed_ptr, offset_ptr, ua_ptr, us_ptr, scratch_ptr, fscratch_ptr, iscratch_ptr, path_ptr, n_ptr, y_ptr,
-    N, V, D, stride_tb, stride_tn, stride_mb, stride_mn, stride_qb, stride_qn,
-    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
-    NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
+    target_stride_b,
+    target_stride_row,
+    draft_probs_ptr,  # float [B, N, V], last dim contiguous: row c = the distribution node c's token was drawn from
+    draft_probs_stride_b,
+    draft_probs_stride_row,
+    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
+    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
+    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
+    seed_ptr,  # int64 [B] (PHILOX), else None
+    offset_ptr,  # int64 [B] (PHILOX), else None
+    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
+    u_accept_stride,
+    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
+    u_sample_stride,
+    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
+    vocab_mask_stride_b,
+    vocab_mask_stride_row,
+    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
+    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
+    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
+    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
+    scratch_ptr,  # float32 [B, 2D+3 if WO else D+2, V]: Mb per slot and a spare, then Ms per slot (WO)
+    path_ptr,  # out int64 [B, D+1]
+    num_accepted_ptr,  # out int64 [B]
+    y_ptr,  # out int64 [B]
+    N,  # nodes per tree
+    V,  # vocabulary size
+    D,  # the tree's max_depth
+    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
+    WO: tl.constexpr,  # drafts drawn without replacement (siblings share their parent's Ms)
+    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the deletion passes
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
+    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
 ):
-    """Traversal verification: the first leaf in depth-first order is tested; a rejected leaf
-    is deleted and its parent updated. Target rows are probabilities, or with ``FROM_LOGITS``
-    logits processed by each row's parameters (``mask_ptr`` .. ``iscratch_ptr`` and the
-    descriptor constants are then read; otherwise unused).
+    """Traversal verification (:func:`specsampler.verify.tree._walk_traversal`, its ``push`` and ``descend``;
+    plain loop :func:`specsampler.verify.reference.tree_traversal`): the first leaf in depth-first order is
+    tested; a rejected leaf is deleted and its parent updated, ``Mb = norm(max(a Mb - q, 0))``, ``a = ...``.
 
     The current leftmost path fills slots 0..top. The top slot's state is in scalars: ``node``,
     ``a_top``, its ``Mb`` (``held``: 0 while it is the node's target row, else scratch row
@@ -385,22 +459,22 @@ def _traversal_kernel(
     again. Scratch rows 0..D+1 hold ``Mb``: one per slot (``mb_buf``) and a ``spare``, which a
     held ``Mb``'s update is written to and then swapped in (without mass the old one stays).
     From logits each slot also holds its row's descriptor (``d_*``): the top's row is described
-    when its first child is pushed, and its ``Mb`` read through it while ``held`` is 0.
+    when its first child is pushed, and its ``Mb`` read through it while ``held`` is 0; a leaf's row is
+    described only when it is the accepted last node. Pushing a node is two scalar loads, deleting a leaf one
+    pass over its parent's ``Mb`` and q; nodes after the accepted node's subtree are never touched.
     """
+    target = Strided(target_ptr, target_stride_b, target_stride_row)
+    draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
+    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
+    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
+                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     b = tl.program_id(0).to(tl.int64)
-    seed, offset = request_keys(seed_ptr, offset_ptr, b, PHILOX)
-    t_b = target_ptr + b * stride_tb
-    mk_b = mask_ptr + b * stride_mb
-    q_b = q_ptr + b * stride_qb
-    x_b = x_ptr + b * N
-    fc_b = fc_ptr + b * N
-    ns_b = ns_ptr + b * N
-    ua_b = ua_ptr + b * N
-    us_b = us_ptr + b * N
+    keys = request_keys(randomness, b, PHILOX)
+    x_b = draft_tokens_ptr + b * N
+    fc_b = first_child_ptr + b * N
+    ns_b = next_sibling_ptr + b * N
     scratch = scratch_ptr + b * ((2 * D + 3) if WO else (D + 2)) * V
     ms_scratch = scratch + (D + 2) * V
-    fscratch_row = fscratch_ptr + b * (3 * NCH_P2)
-    iscratch_row = iscratch_ptr + b * (2 * CAND)
     cols = tl.arange(0, BLOCK_V)
     slots = tl.arange(0, BLOCK_D)
     stack = tl.full((BLOCK_D,), -1, tl.int64)
@@ -439,23 +513,24 @@ def _traversal_kernel(
     steps = tl.full((), 0, tl.int32)
     while (~accepted) & (steps <= N):  # each step deletes a node: N steps at most
         while pending >= 0:  # push `pending` above the top, then first children down to a leaf
+            target_row, vocab_mask_row = _node_rows(target, rows, b, node, FROM_LOGITS, HAS_MASK)
             if first:  # the top gets children: Ms starts as its first child's q, Mb = p is described
                 q_src = pending
                 q_held = tl.full((), 0, tl.int32)
                 q_div = tl.full((), 1.0, tl.float32)
                 if FROM_LOGITS:
+                    fscratch_row, iscratch_row = scratch_rows(rows, b, ROWS)
                     d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, _, _, _ = describe(
-                        t_b + node * stride_tn, mk_b + node * stride_mn, b * N + node, V, temperature_ptr,
-                        top_k_ptr, top_p_ptr, min_p_ptr, fscratch_row, iscratch_row,
-                        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+                        rows, b * N + node, target_row, vocab_mask_row, V, fscratch_row, iscratch_row, HAS_MASK,
+                        ROWS)
             x = tl.load(x_b + pending)
             xc = tl.minimum(tl.maximum(x, 0), V - 1).to(tl.int32)
-            mb_x = _target(t_b + node * stride_tn, mk_b + node * stride_mn, scratch + buf * V, held, div, xc, V, d_m,
-                           d_inv_t, d_tau, d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
+            mb_x = _target(target_row, vocab_mask_row, scratch + buf * V, held, div, xc, V, d_m, d_inv_t, d_tau,
+                           d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
             if WO:
-                q_x = _row(q_b + q_src * stride_qn, ms_scratch + top * V, q_held, q_div, xc, xc >= 0)
+                q_x = _row(row_ptr(draft_probs, b, q_src), ms_scratch + top * V, q_held, q_div, xc, xc >= 0)
             else:
-                q_x = tl.load(q_b + pending * stride_qn + xc).to(tl.float32)
+                q_x = tl.load(row_ptr(draft_probs, b, pending) + xc).to(tl.float32)
             num = a_top * mb_x
             ratio = tl.where(num > 0.0, tl.where(num >= q_x, 1.0, tl.div_rn(num, _clamp_divisor(q_x))), 0.0)
             at = slots == top
@@ -483,7 +558,7 @@ def _traversal_kernel(
             div = tl.full((), 1.0, tl.float32)
             pending = tl.load(fc_b + node)
             first = pending >= 0
-        accepted = (top == 0) | (uniform(ua_b, seed, offset, node, ACCEPT, PHILOX) < a_top)
+        accepted = (top == 0) | (uniform(randomness, keys, node, ACCEPT, PHILOX) < a_top)
         if ~accepted:  # delete the leaf; its parent (the new top): w = max(a Mb - q, 0), Mb = norm(w), a = ...
             leaf = node
             mb_buf = tl.where(slots == top, buf, mb_buf)  # the leaf's slot keeps its scratch row
@@ -504,7 +579,8 @@ def _traversal_kernel(
                 q_src = _pick(ms_src, slots, top)
                 q_held = _pick(ms_held, slots, top)
                 q_div = _pick(ms_div, slots, top)
-            q_row = q_b + (q_src if WO else leaf) * stride_qn
+            target_row, vocab_mask_row = _node_rows(target, rows, b, node, FROM_LOGITS, HAS_MASK)
+            q_row = row_ptr(draft_probs, b, q_src if WO else leaf)
             out = tl.where(held != 0, spare, buf)
             xc = tl.minimum(tl.maximum(tl.load(x_b + leaf), 0), V - 1)
             mass = tl.full((), 0.0, tl.float32)
@@ -514,8 +590,8 @@ def _traversal_kernel(
                 offs = start + cols
                 mask = offs < V
                 q = _row(q_row, ms_scratch + top * V, q_held, q_div, offs, mask)
-                mb = _target(t_b + node * stride_tn, mk_b + node * stride_mn, scratch + buf * V, held, div, offs, V,
-                             d_m, d_inv_t, d_tau, d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
+                mb = _target(target_row, vocab_mask_row, scratch + buf * V, held, div, offs, V, d_m, d_inv_t, d_tau,
+                             d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
                 d = a_top * mb - q
                 w = tl.where(d < 0.0, 0.0, d)
                 tl.store(scratch + out * V + offs, w, mask=mask)
@@ -539,45 +615,32 @@ def _traversal_kernel(
             pending = tl.load(ns_b + leaf)
             first = pending < -1
         steps += 1
-    u = uniform(us_b, seed, offset, node, SAMPLE, PHILOX)
+    target_row, vocab_mask_row = _node_rows(target, rows, b, node, FROM_LOGITS, HAS_MASK)
+    u = uniform(randomness, keys, node, SAMPLE, PHILOX)
     y = tl.full((), 0, tl.int64)
     if FROM_LOGITS:
         if held != 0:
-            y = _invert(t_b + node * stride_tn, scratch + buf * V, held, div, u, V, BLOCK_V)
+            y = _invert(target_row, scratch + buf * V, held, div, u, V, BLOCK_V)
         else:  # Mb = p of the last node: its draw (a leaf's row is read here for the first time)
-            logits_row = t_b + node * stride_tn
-            mask_row = mk_b + node * stride_mn
-            m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w = describe(
-                logits_row, mask_row, b * N + node, V, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                fscratch_row, iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2, CAND, NUCLEUS, GROUP,
-                SEARCH_BLOCK, NPIV)
-            token, _ = draw(u, m, inv_t, tau, cut, w_min, z, regs, cand_ids, cand_w, logits_row, mask_row, V,
-                            fscratch_row, HAS_MASK, CHUNK, NCH_P2)
+            fscratch_row, iscratch_row = scratch_rows(rows, b, ROWS)
+            d = describe(rows, b * N + node, target_row, vocab_mask_row, V, fscratch_row, iscratch_row, HAS_MASK,
+                         ROWS)
+            token, _ = draw_from(u, d, target_row, vocab_mask_row, V, fscratch_row, HAS_MASK, ROWS)
             y = token.to(tl.int64)
     else:
-        y = _invert(t_b + node * stride_tn, scratch + buf * V, held, div, u, V, BLOCK_V)
+        y = _invert(target_row, scratch + buf * V, held, div, u, V, BLOCK_V)
     path = tl.where(slots < top, stack, tl.where(slots == top, node, -1))
-    _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, top, y)
+    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, top, y)
 
 
-class Launch(NamedTuple):
-    """A tree launcher's checked inputs, as both launchers pass them to their kernels."""
-
-    stochastic_drafts: bool  # the method tests sampled drafts (rrs, traversal)
-    philox: bool  # the uniforms come from Philox keys
-    target: Tensor  # [B, N, V], last dim contiguous
-    q: Tensor  # the draft rows, last dim contiguous (the target where the method reads none)
-    links: tuple[Tensor, Tensor, Tensor]  # draft_tokens, first_child, next_sibling: int64, contiguous
-    keys: tuple[Tensor, Tensor, Tensor, Tensor]  # seed, offset, u_accept, u_sample as the kernels take them
 
 
-def prepare(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
+def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
             draft_probs: Tensor | None, method: str, draft_sampling: str, max_depth: int, seed, offset,
-            u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[tuple[Tensor, Tensor, Tensor], Launch | None]:
-    """What both launchers do first: the uninitialised outputs ``(path, num_accepted, y)`` (int64
-    ``[B, D+1]``, ``[B]``, ``[B]``) and the kernels' common arguments (None for an empty batch).
-    Raises ``ValueError`` (prefixed by ``op``) on an unknown method or draft sampling, or on
-    missing inputs."""
+            u_accept: Tensor | None, u_sample: Tensor | None, block_v: int | None,
+            logits: dict | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Both launchers: ``logits`` holds :func:`verify_tree_from_logits`' own arguments (None: probabilities).
+    Raises ``ValueError`` (prefixed by ``op``) on an unknown method or draft sampling, or on missing inputs."""
     if method not in METHODS:
         raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
     if draft_sampling not in DRAFT_SAMPLING:
@@ -586,14 +649,38 @@ def prepare(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
     if stochastic_drafts and draft_probs is None:
         raise ValueError(f"{op}: method {method!r} needs draft_probs")
     philox = check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts, " for rrs and traversal")
-    B, dev = target.shape[0], target.device
-    outs = tuple(torch.empty(shape, dtype=torch.int64, device=dev) for shape in ((B, max_depth + 1), (B,), (B,)))
+    B, N, V = target.shape
+    D, dev = max_depth, target.device
+    path, num_accepted, y = (torch.empty(shape, dtype=torch.int64, device=dev) for shape in ((B, D + 1), (B,), (B,)))
     if B == 0:
-        return outs, None
-    x = last_dim_contiguous(target)
-    links = draft_tokens.long().contiguous(), first_child.long().contiguous(), next_sibling.long().contiguous()
-    return outs, Launch(stochastic_drafts, philox, x, last_dim_contiguous(draft_probs) if stochastic_drafts else x,
-                        links, randomness(seed, offset, u_accept, u_sample, B, dev, unused=x))
+        return path, num_accepted, y
+    target = last_dim_contiguous(target)
+    kernel_args = dict(
+        target_ptr=target, target_stride_b=target.stride(0), target_stride_row=target.stride(1),
+        draft_tokens_ptr=draft_tokens.long().contiguous(), first_child_ptr=first_child.long().contiguous(),
+        next_sibling_ptr=next_sibling.long().contiguous(), **randomness(seed, offset, u_accept, u_sample, B, dev),
+        path_ptr=path, num_accepted_ptr=num_accepted, y_ptr=y, N=N, V=V, D=D, PHILOX=philox,
+        BLOCK_V=block_v or block_size(1024, V), BLOCK_D=triton.next_power_of_2(D + 2),
+        enable_fp_fusion=False,  # a * Mb - q rounded as torch rounds it
+    )
+    if logits is None:
+        kernel_args.update(**NO_LOGIT_ROWS, FROM_LOGITS=False, HAS_MASK=False, ROWS=None)
+    else:
+        cfg = row_config(V, chunk=logits["chunk"], cand=logits["cand"])
+        params = logits["temperature"], logits["top_k"], logits["top_p"], logits["min_p"]
+        kernel_args.update(**logit_rows(target, logits["vocab_mask"], *params, B, cfg), FROM_LOGITS=True,
+                           HAS_MASK=logits["vocab_mask"] is not None, ROWS=RowConfig(**cfg),
+                           **launch_options(logits["num_warps"]))
+    if not stochastic_drafts:
+        _draws_kernel[(B,)](GREEDY=method == "greedy", **kernel_args)
+        return path, num_accepted, y
+    wo = draft_sampling == "without_replacement"
+    draft_probs = last_dim_contiguous(draft_probs)
+    kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
+    kernel[(B,)](draft_probs_ptr=draft_probs, draft_probs_stride_b=draft_probs.stride(0),
+                 draft_probs_stride_row=draft_probs.stride(1), scratch_ptr=scratch(method, wo, B, D, V, dev), WO=wo,
+                 **kernel_args)
+    return path, num_accepted, y
 
 
 def scratch(method: str, wo: bool, B: int, D: int, V: int, device) -> Tensor:
@@ -619,14 +706,14 @@ def verify_tree(
     *,
     block_v: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Verify one draft tree per request (the walks of :func:`specsampler.treeverify.verify_tree`).
+    """Verify one draft tree per request (the walks of :func:`specsampler.verify.tree.verify_tree`).
 
     Inputs are taken as validated by the reference's checks (a valid :class:`specsampler.TokenTree`);
     nothing here syncs with the host, and every allocation depends on shapes only.
 
     Args:
-        target_probs: float ``[B, N, V]`` (float32, or fp16/bf16 read as float32): row v = the
-            target distribution after node v.
+        target_probs: float ``[B, N, V]`` (float32, or fp16/bf16 read as float32), last dim contiguous (any other
+            strides): row v = the target distribution after node v.
         draft_tokens: int64 ``[B, N]``: node v's token (the root's unused); a token outside
             ``[0, V)`` is never accepted.
         first_child, next_sibling: int64 ``[B, N]``: the tree's child lists (``TokenTree``
@@ -648,26 +735,56 @@ def verify_tree(
         num_accepted: int64 ``[B]``: accepted drafts.
         y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
     """
-    outs, run = prepare("specsampler.kernels.tree.verify_tree", target_probs, draft_tokens, first_child,
-                        next_sibling, draft_probs, method, draft_sampling, max_depth, seed, offset, u_accept, u_sample)
-    if run is None:
-        return outs
-    p, q, D = run.target, run.q, max_depth
-    B, N, V = p.shape
-    seed, offset, ua, us = run.keys
-    meta = dict(PHILOX=run.philox, BLOCK_V=block_v or block_size(1024, V), BLOCK_D=triton.next_power_of_2(D + 2),
-                enable_fp_fusion=False)
-    # the kernels are shared with tree_logits: the arguments only logits need (mask, parameters,
-    # descriptor scratch) are given p, and never read
-    if not run.stochastic_drafts:
-        _draws_kernel[(B,)](p, p, *run.links, p, p, p, p, seed, offset, us, p, p, *outs, N, V, D, p.stride(0),
-                            p.stride(1), 0, 0, FROM_LOGITS=False, GREEDY=method == "greedy", HAS_MASK=False,
-                            **_NO_DESCRIPTOR, **meta)
-        return outs
-    wo = draft_sampling == "without_replacement"
-    rows = scratch(method, wo, B, D, V, p.device)
-    kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](p, p, q, *run.links, p, p, p, p, seed, offset, ua, us, rows, p, p, *outs, N, V, D,
-                 p.stride(0), p.stride(1), 0, 0, q.stride(0), q.stride(1), FROM_LOGITS=False, WO=wo, HAS_MASK=False,
-                 **_NO_DESCRIPTOR, **meta)
-    return outs
+    return _launch("specsampler.kernels.tree.verify_tree", target_probs, draft_tokens, first_child, next_sibling,
+                   draft_probs, method, draft_sampling, max_depth, seed, offset, u_accept, u_sample, block_v, None)
+
+
+def verify_tree_from_logits(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    first_child: Tensor,
+    next_sibling: Tensor,
+    draft_probs: Tensor | None,
+    method: str,
+    draft_sampling: str,
+    max_depth: int,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    vocab_mask: Tensor | None = None,
+    seed: Tensor | int | None = None,
+    offset: Tensor | int | None = None,
+    u_accept: Tensor | None = None,
+    u_sample: Tensor | None = None,
+    *,
+    block_v: int = 1024,
+    chunk: int = 64,
+    cand: int = 256,
+    num_warps: int = 8,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Process the target logits of the rows the walk visits and verify one draft tree per request
+    (the walks of :func:`specsampler.verify.tree.verify_tree_from_logits`).
+
+    The arguments :func:`verify_tree` shares mean the same here (``target_logits`` for ``target_probs``:
+    float32/bf16/fp16, row v = the target's logits after node v), and:
+
+    Args:
+        temperature: float32 ``[B * N]`` (0 = greedy); top_k: int64 ``[B * N]`` (<= 0 or >= V: off);
+            top_p: float32 ``[B * N]`` (>= 1: off); min_p: float32 ``[B * N]``: the parameters of each
+            row, request-major (row ``b * N + v``), as :meth:`specsampler.SamplingParams.rows` gives
+            them. ``greedy`` does not read them.
+        vocab_mask: bool ``[B * N, V]`` (request-major) or ``[B, N, V]``, True = allowed; any strides but
+            the last dim's (so an ``expand`` of a per-request or per-vocabulary mask needs no copy). None:
+            all allowed.
+        block_v: vocabulary entries per block of the residual passes at most (a power of 2).
+        chunk, cand: tuning of the row descriptors (:func:`specsampler.kernels.rows.row_config`); keep
+            those of :func:`specsampler.kernels.sampling.sample_from_logits` for ``target_only`` to
+            draw its tokens bit for bit.
+        num_warps: warps per program.
+    """
+    logits = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, vocab_mask=vocab_mask, chunk=chunk,
+                  cand=cand, num_warps=num_warps)
+    return _launch("specsampler.kernels.tree.verify_tree_from_logits", target_logits, draft_tokens, first_child,
+                   next_sibling, draft_probs, method, draft_sampling, max_depth, seed, offset, u_accept, u_sample,
+                   block_size(block_v, target_logits.shape[-1]), logits)
