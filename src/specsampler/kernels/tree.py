@@ -39,11 +39,12 @@ from .common import (
     request_keys,
     row_ptr,
     scratch_rows,
+    strides,
     uniform,
 )
 from .rows import STAGES, invert, kept_weights, launch_options, load_logits, row_config, scan_row
 
-METHODS = ("greedy", "target_only", "rrs", "traversal")
+METHODS = {"greedy": 0, "target_only": 1, "rrs": 2, "traversal": 3}  # the kernel's METHOD
 DRAFT_SAMPLING = ("iid", "without_replacement")
 _TINY_MASS = tl.constexpr(1e-30)  # the reference's clamp of divisors
 
@@ -154,56 +155,13 @@ def _node_rows(target, rows, b, v, FROM_LOGITS: tl.constexpr, HAS_MASK: tl.const
 
 
 @triton.jit
-def _draws_kernel(
-    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
-    target_stride_b,
-    target_stride_row,
-    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
-    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
-    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
-    seed_ptr,  # int64 [B] (PHILOX), else None
-    offset_ptr,  # int64 [B] (PHILOX), else None
-    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
-    u_accept_stride,
-    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
-    u_sample_stride,
-    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
-    vocab_mask_stride_b,
-    vocab_mask_stride_row,
-    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
-    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
-    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
-    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
-    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
-    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
-    path_ptr,  # out int64 [B, D+1]
-    num_accepted_ptr,  # out int64 [B]
-    y_ptr,  # out int64 [B]
-    N,  # nodes per tree
-    V,  # vocabulary size
-    D,  # the tree's max_depth
-    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
-    GREEDY: tl.constexpr,  # greedy, else target_only
-    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
-    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
-    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the passes over probabilities
-    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
-    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
-):
+def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V, GREEDY: tl.constexpr,
+                FROM_LOGITS: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+                ROWS: tl.constexpr):
     """greedy / target_only (:func:`specsampler.verify.tree._walk_draws`; plain loop
     :func:`specsampler.verify.reference.tree_draws`): y at the current node (the argmax, or the draw: from logits
     that of :func:`specsampler.kernels.rows.draw`, as ``sample_from_logits`` draws), then move to its first child
-    carrying y (children are matched by their token ids alone)."""
-    target = Strided(target_ptr, target_stride_b, target_stride_row)
-    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
-    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
-                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
-    b = tl.program_id(0).to(tl.int64)
-    keys = request_keys(randomness, b, PHILOX)
-    x_b = draft_tokens_ptr + b * N
-    fc_b = first_child_ptr + b * N
-    ns_b = next_sibling_ptr + b * N
-    slots = tl.arange(0, BLOCK_D)
+    carrying y (children are matched by their token ids alone). Returns ``(path, n, y)``."""
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
     v = tl.full((), 0, tl.int64)
     n = tl.full((), 0, tl.int32)
@@ -233,50 +191,13 @@ def _draws_kernel(
             n += 1
             path = tl.where(slots == n, found, path)
             v = found
-    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
+    return path, n, y
 
 
 @triton.jit
-def _rrs_kernel(
-    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
-    target_stride_b,
-    target_stride_row,
-    draft_probs_ptr,  # float [B, N, V], last dim contiguous: row c = the distribution node c's token was drawn from
-    draft_probs_stride_b,
-    draft_probs_stride_row,
-    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
-    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
-    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
-    seed_ptr,  # int64 [B] (PHILOX), else None
-    offset_ptr,  # int64 [B] (PHILOX), else None
-    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
-    u_accept_stride,
-    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
-    u_sample_stride,
-    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
-    vocab_mask_stride_b,
-    vocab_mask_stride_row,
-    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
-    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
-    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
-    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
-    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
-    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
-    scratch_ptr,  # float32 [B, 3 if WO else 2, V]: the residual twice, the shared q (WO)
-    path_ptr,  # out int64 [B, D+1]
-    num_accepted_ptr,  # out int64 [B]
-    y_ptr,  # out int64 [B]
-    N,  # nodes per tree
-    V,  # vocabulary size
-    D,  # the tree's max_depth
-    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
-    WO: tl.constexpr,  # drafts drawn without replacement (siblings share the first child's q)
-    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
-    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
-    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the residual passes
-    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
-    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
-):
+def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N, V,
+              FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+              BLOCK_V: tl.constexpr, ROWS: tl.constexpr):
     """Recursive rejection sampling down the tree (:func:`specsampler.verify.tree._walk_rrs`; plain loop
     :func:`specsampler.verify.reference.tree_rrs`).
 
@@ -286,22 +207,11 @@ def _rrs_kernel(
     as the target row: from logits in registers at the kept tokens (``r_vec``, when the descriptor holds them,
     a rejection then gathers q there only), else read in place (through the descriptor) until a rejection
     writes it to scratch rows 0 and 1 (one current, one to write the next into). Scratch row 2 holds the
-    shared q (without replacement).
+    shared q (without replacement). Returns ``(path, n, y)``.
     """
-    target = Strided(target_ptr, target_stride_b, target_stride_row)
-    draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
-    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
-    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
-                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
-    b = tl.program_id(0).to(tl.int64)
-    keys = request_keys(randomness, b, PHILOX)
-    x_b = draft_tokens_ptr + b * N
-    fc_b = first_child_ptr + b * N
-    ns_b = next_sibling_ptr + b * N
     scratch = scratch_ptr + b * (3 if WO else 2) * V
     q_held_row = scratch + 2 * V
     cols = tl.arange(0, BLOCK_V)
-    slots = tl.arange(0, BLOCK_D)
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
     v = tl.full((), 0, tl.int64)
     n = tl.full((), 0, tl.int32)
@@ -403,50 +313,13 @@ def _rrs_kernel(
                     y = token.to(tl.int64)
                 else:
                     y = _invert(target_row, scratch + r_buf * V, r_held, r_div, u, V, BLOCK_V)
-    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
+    return path, n, y
 
 
 @triton.jit
-def _traversal_kernel(
-    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
-    target_stride_b,
-    target_stride_row,
-    draft_probs_ptr,  # float [B, N, V], last dim contiguous: row c = the distribution node c's token was drawn from
-    draft_probs_stride_b,
-    draft_probs_stride_row,
-    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
-    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
-    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
-    seed_ptr,  # int64 [B] (PHILOX), else None
-    offset_ptr,  # int64 [B] (PHILOX), else None
-    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
-    u_accept_stride,
-    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
-    u_sample_stride,
-    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
-    vocab_mask_stride_b,
-    vocab_mask_stride_row,
-    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
-    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
-    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
-    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
-    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
-    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
-    scratch_ptr,  # float32 [B, 2D+3 if WO else D+2, V]: Mb per slot and a spare, then Ms per slot (WO)
-    path_ptr,  # out int64 [B, D+1]
-    num_accepted_ptr,  # out int64 [B]
-    y_ptr,  # out int64 [B]
-    N,  # nodes per tree
-    V,  # vocabulary size
-    D,  # the tree's max_depth
-    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
-    WO: tl.constexpr,  # drafts drawn without replacement (siblings share their parent's Ms)
-    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
-    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
-    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the deletion passes
-    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
-    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
-):
+def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N, V, D,
+                    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+                    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Traversal verification (:func:`specsampler.verify.tree._walk_traversal`, its ``push`` and ``descend``;
     plain loop :func:`specsampler.verify.reference.tree_traversal`): the first leaf in depth-first order is
     tested; a rejected leaf is deleted and its parent updated, ``Mb = norm(max(a Mb - q, 0))``, ``a = ...``.
@@ -462,21 +335,11 @@ def _traversal_kernel(
     when its first child is pushed, and its ``Mb`` read through it while ``held`` is 0; a leaf's row is
     described only when it is the accepted last node. Pushing a node is two scalar loads, deleting a leaf one
     pass over its parent's ``Mb`` and q; nodes after the accepted node's subtree are never touched.
+    Returns ``(path, n, y)``.
     """
-    target = Strided(target_ptr, target_stride_b, target_stride_row)
-    draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
-    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
-    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
-                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
-    b = tl.program_id(0).to(tl.int64)
-    keys = request_keys(randomness, b, PHILOX)
-    x_b = draft_tokens_ptr + b * N
-    fc_b = first_child_ptr + b * N
-    ns_b = next_sibling_ptr + b * N
     scratch = scratch_ptr + b * ((2 * D + 3) if WO else (D + 2)) * V
     ms_scratch = scratch + (D + 2) * V
     cols = tl.arange(0, BLOCK_V)
-    slots = tl.arange(0, BLOCK_D)
     stack = tl.full((BLOCK_D,), -1, tl.int64)
     a = tl.zeros((BLOCK_D,), tl.float32)
     mb_held = tl.zeros((BLOCK_D,), tl.int32)
@@ -630,9 +493,75 @@ def _traversal_kernel(
     else:
         y = _invert(target_row, scratch + buf * V, held, div, u, V, BLOCK_V)
     path = tl.where(slots < top, stack, tl.where(slots == top, node, -1))
-    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, top, y)
+    return path, top, y
 
 
+@triton.jit
+def _tree_kernel(
+    target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
+    target_stride_b,
+    target_stride_row,
+    draft_probs_ptr,  # float [B, N, V], last dim contiguous (rrs, traversal), else None: row c = q of node c
+    draft_probs_stride_b,
+    draft_probs_stride_row,
+    draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
+    first_child_ptr,  # int64 [B, N], contiguous: -1 = none
+    next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
+    seed_ptr,  # int64 [B] (PHILOX), else None
+    offset_ptr,  # int64 [B] (PHILOX), else None
+    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
+    u_accept_stride,
+    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
+    u_sample_stride,
+    vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
+    vocab_mask_stride_b,
+    vocab_mask_stride_row,
+    temperature_ptr,  # float32 [B * N], request-major (FROM_LOGITS), else None
+    top_k_ptr,  # int64 [B * N] (FROM_LOGITS), else None
+    top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
+    fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
+    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
+    scratch_ptr,  # float32 [B, rows, V] (rrs, traversal: scratch()), else None
+    path_ptr,  # out int64 [B, D+1]
+    num_accepted_ptr,  # out int64 [B]
+    y_ptr,  # out int64 [B]
+    N,  # nodes per tree
+    V,  # vocabulary size
+    D,  # the tree's max_depth
+    METHOD: tl.constexpr,  # METHODS[method]
+    FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
+    WO: tl.constexpr,  # drafts drawn without replacement (rrs, traversal)
+    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    BLOCK_V: tl.constexpr,  # vocabulary entries per block of the passes over probabilities and residuals
+    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
+    ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
+):
+    """One program per request: the walk of ``METHOD`` (the kernel of :func:`specsampler.verify.tree.verify_tree`
+    and of :func:`specsampler.verify.tree.verify_tree_from_logits`; reference: their walks in that module, plain
+    loops in :mod:`specsampler.verify.reference`)."""
+    target = Strided(target_ptr, target_stride_b, target_stride_row)
+    draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
+    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
+    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
+                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
+    b = tl.program_id(0).to(tl.int64)
+    keys = request_keys(randomness, b, PHILOX)
+    x_b = draft_tokens_ptr + b * N
+    fc_b = first_child_ptr + b * N
+    ns_b = next_sibling_ptr + b * N
+    slots = tl.arange(0, BLOCK_D)
+    if METHOD <= 1:
+        path, n, y = _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V, METHOD == 0,
+                                 FROM_LOGITS, PHILOX, HAS_MASK, BLOCK_V, ROWS)
+    elif METHOD == 2:
+        path, n, y = _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N,
+                               V, FROM_LOGITS, WO, PHILOX, HAS_MASK, BLOCK_V, ROWS)
+    else:
+        path, n, y = _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr,
+                                     slots, N, V, D, FROM_LOGITS, WO, PHILOX, HAS_MASK, BLOCK_V, BLOCK_D, ROWS)
+    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
 
 
 def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
@@ -642,7 +571,7 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
     """Both launchers: ``logits`` holds :func:`verify_tree_from_logits`' own arguments (None: probabilities).
     Raises ``ValueError`` (prefixed by ``op``) on an unknown method or draft sampling, or on missing inputs."""
     if method not in METHODS:
-        raise ValueError(f"{op}: method must be one of {METHODS}, got {method!r}")
+        raise ValueError(f"{op}: method must be one of {tuple(METHODS)}, got {method!r}")
     if draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"{op}: draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
     stochastic_drafts = method in ("rrs", "traversal")
@@ -671,15 +600,12 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
         kernel_args.update(**logit_rows(target, logits["vocab_mask"], *params, B, cfg), FROM_LOGITS=True,
                            HAS_MASK=logits["vocab_mask"] is not None, ROWS=RowConfig(**cfg),
                            **launch_options(logits["num_warps"]))
-    if not stochastic_drafts:
-        _draws_kernel[(B,)](GREEDY=method == "greedy", **kernel_args)
-        return path, num_accepted, y
     wo = draft_sampling == "without_replacement"
-    draft_probs = last_dim_contiguous(draft_probs)
-    kernel = _rrs_kernel if method == "rrs" else _traversal_kernel
-    kernel[(B,)](draft_probs_ptr=draft_probs, draft_probs_stride_b=draft_probs.stride(0),
-                 draft_probs_stride_row=draft_probs.stride(1), scratch_ptr=scratch(method, wo, B, D, V, dev), WO=wo,
-                 **kernel_args)
+    draft_probs = last_dim_contiguous(draft_probs) if stochastic_drafts else None
+    _tree_kernel[(B,)](draft_probs_ptr=draft_probs, draft_probs_stride_b=strides(draft_probs)[0],
+                       draft_probs_stride_row=strides(draft_probs)[1],
+                       scratch_ptr=scratch(method, wo, B, D, V, dev) if stochastic_drafts else None,
+                       METHOD=METHODS[method], WO=wo and stochastic_drafts, **kernel_args)
     return path, num_accepted, y
 
 
