@@ -2,7 +2,7 @@
 
 One kernel serves :func:`specsampler.verify.chain.verify_chain` (target rows are probabilities) and
 :func:`specsampler.verify.chain.verify_chain_from_logits` (``FROM_LOGITS``: each row of logits is processed by
-its parameters on the way, through its descriptor, :mod:`specsampler.kernels.rows`); each method's walk is a
+its parameters on the way, through its descriptor, :mod:`specsampler.kernels.describe`); each method's walk is a
 helper that reads beside its branch of the reference's ``_verify``, and reads no row past the position where
 its request stops. Small batches on a GPU first describe every row in a row-parallel kernel (``DESCRIBED``).
 Draws are by inversion as :func:`specsampler.sampling.processing.sample_by_inversion`, sums taken block by block
@@ -44,9 +44,9 @@ from .common import (
     strides,
     uniform,
 )
+from .describe import describe_row_in_parts
 from .rows import (
     STAGES,
-    describe_row_in_parts,
     first_pass,
     kept_weights,
     launch_options,
@@ -381,7 +381,7 @@ def _target_only_walk(target, draft_tokens_row, kb, randomness, req, rows, descr
                       FROM_LOGITS: tl.constexpr, DESCRIBED: tl.constexpr, HAS_MASK: tl.constexpr,
                       PHILOX: tl.constexpr, BLOCK_V: tl.constexpr, ROWS: tl.constexpr):
     """``target_only``: draw ``y_n ~ p_n`` (``STREAM_SAMPLE`` index n) while it equals draft n. From logits the
-    draw of :func:`specsampler.kernels.rows.draw` (that of ``sample_from_logits``, token for token); from
+    draw of :func:`specsampler.kernels.describe.draw` (that of ``sample_from_logits``, token for token); from
     probabilities one pass per row decides whether the draw is the draft (so an accepted row is read once),
     and the search pass runs at the first mismatch only. Returns ``(n, y)``."""
     b = req[0]
@@ -544,7 +544,7 @@ def _describe_rows_kernel(
 ):
     """The first phase of a small batch (``rows_in_parallel``): program ``r`` describes row ``i = r % (K+1)``
     of request ``b = r // (K+1)`` if the request has it (``i <= num_drafts[b]``), with the code the chain
-    kernel runs itself otherwise (:func:`specsampler.kernels.rows.describe_row_in_parts`, whose reference is
+    kernel runs itself otherwise (:func:`specsampler.kernels.describe.describe_row_in_parts`, whose reference is
     :func:`specsampler.sampling.processing.process`), and stores the descriptor (greedy: the argmax) in
     ``described`` and, in its scratch row, the chunk masses that a draw reads."""
     target = Strided(target_ptr, target_stride_b, target_stride_row)

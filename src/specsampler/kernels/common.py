@@ -14,8 +14,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
+from .describe import describe_row, draw
 from .philox import philox_uniform
-from .rows import STAGES, describe_row, draw, row_scratch
+from .rows import STAGES, row_scratch
 
 SAMPLE = tl.constexpr(STREAM_SAMPLE)
 ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -137,7 +138,7 @@ def argmax(row, V, BLOCK_V: tl.constexpr):
 def describe(rows, r, logits_row, mask_row, V, fscratch_row, iscratch_row, HAS_MASK: tl.constexpr,
              ROWS: tl.constexpr):
     """The descriptor of a row of logits whose parameters are at index ``r`` of :class:`LogitRows` ``rows``
-    (:func:`specsampler.kernels.rows.describe_row`): the tuple ``(m, inv_t, tau, id_cut, w_min, z, in_regs,
+    (:func:`specsampler.kernels.describe.describe_row`): the tuple ``(m, inv_t, tau, id_cut, w_min, z, in_regs,
     cand_ids, cand_w)``, in fixed types (a descriptor is carried through loops)."""
     m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
         logits_row, mask_row, V, tl.load(rows.temperature + r), tl.load(rows.top_k + r), tl.load(rows.top_p + r),
@@ -165,7 +166,7 @@ def choose(take, a, b):
 
 @triton.jit
 def draw_from(u, d, logits_row, mask_row, V, fscratch_row, HAS_MASK: tl.constexpr, ROWS: tl.constexpr):
-    """:func:`specsampler.kernels.rows.draw` of the uniform ``u`` from a row of descriptor ``d``: the token
+    """:func:`specsampler.kernels.describe.draw` of the uniform ``u`` from a row of descriptor ``d``: the token
     (int32) and its kept weight."""
     m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = d
     return draw(u, m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w, logits_row, mask_row, V,

@@ -16,12 +16,10 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import SAMPLE, TINY, last_dim_contiguous
+from .describe import describe_row_in_parts, draw, find_chunk
 from .philox import philox_uniform
 from .rows import (
     STAGES,
-    describe_row_in_parts,
-    draw,
-    find_chunk,
     invert,
     launch_options,
     row_config,

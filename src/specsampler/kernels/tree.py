@@ -2,7 +2,7 @@
 
 One kernel per method serves :func:`specsampler.verify.tree.verify_tree` (target rows are probabilities) and
 :func:`specsampler.verify.tree.verify_tree_from_logits` (``FROM_LOGITS``: a row of logits is processed by its
-parameters when the walk first needs it, through its descriptor, :mod:`specsampler.kernels.rows`). A walk reads
+parameters when the walk first needs it, through its descriptor, :mod:`specsampler.kernels.describe`). A walk reads
 only the rows it visits. Rows that change (residuals, ``Mb``, ``Ms``) live unnormalised in a per-request scratch
 buffer with their divisor kept aside (``w / divisor`` is the reference's normalised row, the same float32
 division); a residual without mass leaves its row as it was. Draws are by inversion as
@@ -160,7 +160,7 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
                 ROWS: tl.constexpr):
     """greedy / target_only (:func:`specsampler.verify.tree._walk_draws`; plain loop
     :func:`specsampler.verify.reference.tree_draws`): y at the current node (the argmax, or the draw: from logits
-    that of :func:`specsampler.kernels.rows.draw`, as ``sample_from_logits`` draws), then move to its first child
+    that of :func:`specsampler.kernels.describe.draw`, as ``sample_from_logits`` draws), then move to its first child
     carrying y (children are matched by their token ids alone). Returns ``(path, n, y)``."""
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
     v = tl.full((), 0, tl.int64)
