@@ -28,7 +28,7 @@ from ..validation import (
     check_token_values,
     fail,
 )
-from ..verify import ChainResult, TokenTree, TreeResult
+from ..verify import ChainResult, TokenTree, TreeResult, walks
 from ..verify import chain as _chain
 from ..verify import tree as _tree
 from .argmax import shard_argmax
@@ -190,6 +190,6 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
         _agreed(op, shard, lambda: check_token_values(op, "draft_tokens", drafts[tree.depth > 0], V), dev)
     y, _ = shard_argmax(x, shard)
     usable = (tree.depth > 0) & (drafts >= 0) & (drafts < V)
-    c = _tree._Tree(B, N, V, "greedy", draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, None)
-    path, n, y_out = _tree._walk_draws(c, _Argmaxes(y), None, op)
+    c = walks.TreeInputs(B, N, V, "greedy", draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, None)
+    path, n, y_out = walks.walk_draws(c, _Argmaxes(y), None, op)
     return _tree._finish(c, path, n, y_out, n.float())

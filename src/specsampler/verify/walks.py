@@ -1,0 +1,272 @@
+"""The tree walks: greedy / target_only (draw, then move to the child carrying the draw), rrs (recursive
+rejection sampling) and traversal (leaves tested in depth-first order, parents updated on deletion).
+
+Each step is one batched operation over the requests still walking, and only the rows the walk visits are
+read (:class:`TargetRows`). Formulas: docs/design.md, "Algorithms"; random counters: "Randomness". Public
+entry points: :mod:`specsampler.verify.tree`; plain loop per request: :mod:`specsampler.verify.reference`;
+kernel: :mod:`specsampler.kernels.tree`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..params import RowParams
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
+from ..sampling.greedy import greedy_ids
+from ..sampling.processing import SCRATCH, Processed, process, row_sum, sample_by_inversion
+from .token_tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeInputs:
+    """Validated inputs. x: int64 ``[B, N]`` clamped into ``[0, V)``; usable: non-root present
+    nodes whose token is in range (the others are never accepted); q: float32 ``[B, N, V]``."""
+
+    B: int
+    N: int
+    V: int
+    method: str
+    sampling: str
+    tree: TokenTree
+    x: Tensor
+    x_raw: Tensor
+    usable: Tensor
+    q: Tensor | None
+
+
+class TargetRows:
+    """The target distribution at (request, node) pairs, read (and processed) on demand."""
+
+    def __init__(self, probs: Tensor | None = None, logits: Tensor | None = None, rp: RowParams | None = None,
+                 mask: Tensor | None = None):
+        self.probs, self.logits, self.rp, self.mask = probs, logits, rp, mask
+
+    @staticmethod
+    def _rows(t: Tensor, flat: Tensor) -> Tensor:
+        """Rows ``flat`` (= b * N + node) of ``[B, N, V]``, whole rows copied."""
+        return t.reshape(-1, t.shape[-1]).index_select(0, flat)
+
+    def _logits(self, b: Tensor, node: Tensor, flat: Tensor) -> Tensor:
+        """The logit rows (``flat`` = b * N + node), gathered into a scratch buffer (processing never
+        keeps its input), float32."""
+        V = self.logits.shape[-1]
+        out = SCRATCH.get("visited logits", (flat.numel(), V), self.logits.dtype, self.logits.device)
+        x = torch.index_select(self.logits.reshape(-1, V), 0, flat, out=out).float()
+        return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
+
+    def _flat(self, b: Tensor, node: Tensor) -> Tensor:
+        """Row indices ``b * N + node`` into the rows ``[B * N, V]``."""
+        return b * (self.logits if self.probs is None else self.probs).shape[1] + node
+
+    def at(self, b: Tensor, node: Tensor) -> Processed:
+        """Processed distributions of rows ``(b[i], node[i])``."""
+        flat = self._flat(b, node)
+        if self.probs is not None:
+            return Processed.from_dense(self._rows(self.probs, flat).float())
+        return process(self._logits(b, node, flat), self.rp.take(flat), logits=True)
+
+    def argmax(self, b: Tensor, node: Tensor) -> Tensor:
+        flat = self._flat(b, node)
+        return greedy_ids(self._rows(self.probs, flat) if self.probs is not None else self._logits(b, node, flat))
+
+
+class _ChildIndex:
+    """Finds, for requests at nodes, the first child (sibling order) carrying a token.
+
+    Every usable node's key ``parent * V + token`` is listed per request in sibling-rank order,
+    so that a step's lookup is one comparison of the request's keys with ``v * V + y`` and a
+    first-match reduction."""
+
+    def __init__(self, c: TreeInputs):
+        t = c.tree
+        key = torch.where(c.usable, t.parents * c.V + c.x, -1)
+        self.order = t.sibling_rank.argsort(dim=1, stable=True)  # siblings: lower rank first
+        self.keys = key.gather(1, self.order)
+        self.V = c.V
+
+    def find(self, at: Tensor | slice, v: Tensor, y: Tensor) -> Tensor:
+        """For requests ``at`` (indices, or a slice) at nodes ``v``: the first child carrying token
+        ``y``, or -1."""
+        hit, first = (self.keys[at] == (v * self.V + y)[:, None]).max(1)
+        return torch.where(hit, self.order[at].gather(1, first[:, None])[:, 0], -1)
+
+
+def _walk_start(c: TreeInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A walk from the root: the path ``[B, D+2]`` (root, then -1; the extra column because
+    nobody moves past depth D), accepted counts, emitted tokens, and the walking requests."""
+    B, dev = c.B, c.x.device
+    path = torch.full((B, c.tree.max_depth + 2), -1, dtype=torch.int64, device=dev)
+    path[:, 0] = 0
+    zeros = lambda: torch.zeros(B, dtype=torch.int64, device=dev)
+    return path, zeros(), zeros(), torch.arange(B, device=dev)
+
+
+def _drawer(c: TreeInputs, rng, op: str, draw: Callable[[int, int], Tensor] | None) -> Callable[[int, int], Tensor]:
+    """``draw(stream, count)``: the uniforms ``[B, count]`` of a stream, from ``rng`` unless given."""
+    return draw or (lambda stream, count: uniform(rng, op, c.B, count, stream, c.x.device))
+
+
+def walk_draws(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
+    """greedy / target_only: draw at the current node, move to the child carrying the draw."""
+    B, D = c.B, c.tree.max_depth
+    u = None if c.method == "greedy" else _drawer(c, rng, op, draw)(STREAM_SAMPLE, c.N)
+    if u is None and isinstance(rng, Philox):  # greedy draws nothing; a Philox of another batch is still a mistake
+        rng.keys(op, B, c.x.device)
+    children = _ChildIndex(c)
+    path, n, y_out, walking = _walk_start(c)
+    for d in range(D + 1):
+        at = slice(None) if walking.numel() == B else walking  # everyone: views, not gathers
+        v = path[at, d]
+        y = rows.argmax(walking, v) if u is None else rows.at(walking, v).sample(u[at].gather(1, v[:, None])[:, 0])
+        kid = children.find(at, v, y)
+        # the step's outcome for everyone walking; those who move overwrite n and y next step
+        path[at, d + 1], n[at], y_out[at] = kid, d, y
+        walking = walking[kid >= 0]
+        if walking.numel() == 0:
+            break
+    return path[:, : D + 1], n, y_out
+
+
+def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
+    """Recursive rejection sampling down the tree."""
+    D, t = c.tree.max_depth, c.tree
+    draw = _drawer(c, rng, op, draw)
+    u_accept = draw(STREAM_ACCEPT, c.N)
+    u_draw = draw(STREAM_SAMPLE, c.N)
+    path, n, y_out, walking = _walk_start(c)
+    for d in range(D + 1):
+        v = path[walking, d]
+        r = rows.at(walking, v).dense()  # owned: updated in place below
+        kid = t.first_child[walking, v]
+        q_shared = c.q[walking, kid.clamp(min=0)] if c.sampling == "without_replacement" else None
+        chosen = torch.full_like(kid, -1)
+        trying = (kid >= 0).nonzero()[:, 0]
+        while trying.numel():
+            b, k = walking[trying], kid[trying]
+            q = q_shared[trying] if q_shared is not None else c.q[b, k]
+            xk = c.x[b, k][:, None]
+            ok = c.usable[b, k] & (u_accept[b, k] * q.gather(1, xk)[:, 0] < r[trying, xk[:, 0]])
+            chosen[trying[ok]] = k[ok]
+            rej, q = trying[~ok], q[~ok]
+            residual = (r[rej] - q).clamp_(min=0.0)
+            mass = row_sum(residual, keepdim=True)
+            r[rej] = torch.where(mass > 0, residual / mass.clamp(min=1e-30), r[rej])
+            if q_shared is not None:
+                q = q.scatter(1, xk[~ok], 0.0)
+                q_shared[rej] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
+            kid[rej] = t.next_sibling[walking[rej], kid[rej]]
+            trying = rej[kid[rej] >= 0]
+        moved = chosen >= 0
+        path[walking[moved], d + 1] = chosen[moved]
+        stop = (~moved).nonzero()[:, 0]
+        bs = walking[stop]
+        n[bs], y_out[bs] = d, sample_by_inversion(r[stop], u_draw[bs, v[stop]])
+        walking = walking[moved]
+        if walking.numel() == 0:
+            break
+    return path[:, : D + 1], n, y_out
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``min(1, num / den)`` with ``num <= 0 -> 0`` and ``den == 0 < num -> 1``."""
+    return torch.where(num > 0, torch.where(num >= den, 1.0, num / den.clamp(min=1e-30)), 0.0)
+
+
+def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
+    """Traversal verification: leaves tested in depth-first order, parents updated on deletion."""
+    B, D, N, V, dev, t = c.B, c.tree.max_depth, c.N, c.V, c.x.device, c.tree
+    wo = c.sampling == "without_replacement"
+    draw = _drawer(c, rng, op, draw)
+    eta = draw(STREAM_ACCEPT, N)
+    u_draw = draw(STREAM_SAMPLE, N)
+    stack = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # the current leftmost path
+    top = torch.zeros(B, dtype=torch.int64, device=dev)  # its last slot
+    mb = torch.zeros(B, D + 1, V, device=dev)
+    ms = torch.zeros(B, D + 1, V, device=dev) if wo else None
+    a = torch.zeros(B, D + 1, device=dev)
+    everyone = torch.arange(B, device=dev)
+    stack[:, 0], a[:, 0] = 0, 1.0
+    mb[:, 0] = rows.at(everyone, stack[:, 0]).dense()
+
+    def push(b: Tensor, node: Tensor):
+        """Put ``node`` (a child of the node in slot top[b]) in the next slot of requests b."""
+        j, x = top[b], c.x[b, node]
+        q_x = ms[b, j, x] if wo else c.q[b, node, x]
+        ratio = _ratio(a[b, j] * mb[b, j, x], q_x)
+        top[b] = j + 1
+        stack[b, j + 1] = node
+        a[b, j + 1] = torch.where(c.usable[b, node], ratio, 0.0)
+        mb[b, j + 1] = rows.at(b, node).dense()
+
+    def descend(b: Tensor):
+        """Extend the paths of requests b down first children to a leaf."""
+        while b.numel():
+            kid = t.first_child[b, stack[b, top[b]]]
+            b, kid = b[kid >= 0], kid[kid >= 0]
+            if wo:
+                ms[b, top[b]] = c.q[b, kid]  # all children of a node share its q
+            push(b, kid)
+
+    descend(everyone)
+    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)
+    n = torch.zeros(B, dtype=torch.int64, device=dev)
+    y_out = torch.zeros(B, dtype=torch.int64, device=dev)
+    walking = everyone
+    pos = torch.arange(D + 1, device=dev)
+    for _ in range(N + 1):
+        if walking.numel() == 0:
+            break
+        j = top[walking]
+        leaf = stack[walking, j]
+        accept = (j == 0) | (eta[walking, leaf] < a[walking, j])
+        done = walking[accept]
+        jd = top[done]
+        path[done] = torch.where(pos <= jd[:, None], stack[done], -1)
+        n[done] = jd
+        y_out[done] = sample_by_inversion(mb[done, jd], u_draw[done, stack[done, jd]])
+        # delete the rejected leaves; update their parents (slot j - 1)
+        b = walking[~accept]
+        walking = b
+        if b.numel() == 0:
+            break
+        leaf, j = stack[b, top[b]], top[b] - 1
+        q = ms[b, j] if wo else c.q[b, leaf]
+        w = (a[b, j, None] * mb[b, j] - q).clamp_(min=0.0)
+        mass = row_sum(w)
+        mb[b, j] = torch.where(mass[:, None] > 0, w / mass.clamp(min=1e-30)[:, None], mb[b, j])
+        # a = 0 (a node never accepted: its token out of range, or p(x) = 0) stays 0, even where bad
+        # values (q < 0) give w mass: else such a node could be accepted once its children are deleted
+        a[b, j] = torch.where((mass > 0) & (a[b, j] > 0), mass / (mass + 1 - a[b, j]), 0.0)
+        if wo:
+            q = q.scatter(1, c.x[b, leaf][:, None], 0.0)
+            ms[b, j] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
+        top[b] = j
+        sibling = t.next_sibling[b, leaf]
+        more = sibling >= 0
+        push(b[more], sibling[more])
+        descend(b[more])
+    return path, n, y_out
+
+
+def expected_target_only(c: TreeInputs, p_edge: Tensor) -> Tensor:
+    """Sum over nodes of the probability that the target-only walk reaches them.
+
+    p_edge: float32 ``[B, N]``, the target probability of each node's token at its parent.
+    """
+    t = c.tree
+    same = (t.parents[:, :, None] == t.parents[:, None, :]) & (c.x[:, :, None] == c.x[:, None, :])
+    shadowed = (same & c.usable[:, None, :] & (t.sibling_rank[:, None, :] < t.sibling_rank[:, :, None])).any(2)
+    edge = torch.where(c.usable & ~shadowed, p_edge, 0.0)
+    reach = torch.ones(c.B, c.N, device=edge.device)
+    for d in range(1, t.max_depth + 1):
+        at_d = t.depth == d
+        reach = torch.where(at_d, reach.gather(1, t.parents.clamp(min=0)) * edge, reach)
+    return torch.where(t.depth > 0, reach, 0.0).sum(1)
+
+
+WALKS = {"greedy": walk_draws, "target_only": walk_draws, "rrs": walk_rrs, "traversal": walk_traversal}
