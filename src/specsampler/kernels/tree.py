@@ -158,7 +158,7 @@ def _node_rows(target, rows, b, v, FROM_LOGITS: tl.constexpr, HAS_MASK: tl.const
 def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V, GREEDY: tl.constexpr,
                 FROM_LOGITS: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
                 ROWS: tl.constexpr):
-    """greedy / target_only (:func:`specsampler.verify.tree._walk_draws`; plain loop
+    """greedy / target_only (:func:`specsampler.verify.walks.walk_draws`; plain loop
     :func:`specsampler.verify.reference.tree_draws`): y at the current node (the argmax, or the draw: from logits
     that of :func:`specsampler.kernels.describe.draw`, as ``sample_from_logits`` draws), then move to its first child
     carrying y (children are matched by their token ids alone). Returns ``(path, n, y)``."""
@@ -198,7 +198,7 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
 def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N, V,
               FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
               BLOCK_V: tl.constexpr, ROWS: tl.constexpr):
-    """Recursive rejection sampling down the tree (:func:`specsampler.verify.tree._walk_rrs`; plain loop
+    """Recursive rejection sampling down the tree (:func:`specsampler.verify.walks.walk_rrs`; plain loop
     :func:`specsampler.verify.reference.tree_rrs`).
 
     At each node the children are tested with ``r(x_c)`` and ``q(x_c)``; a rejection sets
@@ -320,7 +320,7 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
 def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N, V, D,
                     FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
                     BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
-    """Traversal verification (:func:`specsampler.verify.tree._walk_traversal`, its ``push`` and ``descend``;
+    """Traversal verification (:func:`specsampler.verify.walks.walk_traversal`, its ``push`` and ``descend``;
     plain loop :func:`specsampler.verify.reference.tree_traversal`): the first leaf in depth-first order is
     tested; a rejected leaf is deleted and its parent updated, ``Mb = norm(max(a Mb - q, 0))``, ``a = ...``.
 
@@ -539,8 +539,8 @@ def _tree_kernel(
     ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
 ):
     """One program per request: the walk of ``METHOD`` (the kernel of :func:`specsampler.verify.tree.verify_tree`
-    and of :func:`specsampler.verify.tree.verify_tree_from_logits`; reference: their walks in that module, plain
-    loops in :mod:`specsampler.verify.reference`)."""
+    and of :func:`specsampler.verify.tree.verify_tree_from_logits`; reference: their walks in
+    :mod:`specsampler.verify.walks`, plain loops in :mod:`specsampler.verify.reference`)."""
     target = Strided(target_ptr, target_stride_b, target_stride_row)
     draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
     randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
