@@ -628,12 +628,10 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, draft_probs: Tensor |
                            desc_ints_ptr=torch.empty(R, 2, dtype=torch.int32, device=dev),
                            cand_ids_ptr=torch.empty(R, cfg["CAND"], dtype=torch.int32, device=dev),
                            cand_w_ptr=torch.empty(R, cfg["CAND"], dtype=torch.float32, device=dev))
-        mask = rows["vocab_mask_ptr"]
-        part_m, part_arg, parts = scan_parts(
-            target, strides(target), target if mask is None else mask,
-            (rows["vocab_mask_stride_b"], rows["vocab_mask_stride_row"]), num_drafts, rows["temperature_ptr"],
-            rows["top_k_ptr"], rows["fscratch_ptr"], R, K1, logits["parts"], mask is not None, cfg,
-            greedy=method == "greedy")
+        mask_strides = rows["vocab_mask_stride_b"], rows["vocab_mask_stride_row"]
+        part_m, part_arg, parts = scan_parts(target, strides(target), rows["vocab_mask_ptr"], mask_strides, num_drafts,
+                                             rows["temperature_ptr"], rows["top_k_ptr"], rows["fscratch_ptr"], R, K1,
+                                             logits["parts"], cfg, greedy=method == "greedy")
         _describe_rows_kernel[(R,)](**target_args, num_drafts_ptr=num_drafts, **rows, part_m_ptr=part_m,
                                     part_arg_ptr=part_arg, parts=parts, **descriptors, K=K, V=V,
                                     GREEDY=method == "greedy", enable_fp_fusion=False, **meta)

@@ -53,10 +53,24 @@ def _write_residual(m_row, q_row, V, mass, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _spec_verify_kernel(
-    dp_ptr, dt_ptr, mp_ptr, fc_ptr, ns_ptr, u_ptr, pp_ptr,
-    N, V, stride_dp, stride_dt, stride_fc, stride_ns, stride_u,
-    BLOCK_V: tl.constexpr,
+    dp_ptr,  # float [N, V], last dim contiguous: draft_probs
+    dt_ptr,  # int [N]: draft_tokens
+    mp_ptr,  # float32 [N, V], contiguous: model_probs (in place)
+    fc_ptr,  # int [N]: token_tree_first_child
+    ns_ptr,  # int [N]: token_tree_next_sibling
+    u_ptr,  # float [N]: uniform_samples
+    pp_ptr,  # int [nbatch]: token_tree_parent_ptr (in/out)
+    N,  # num_nodes
+    V,  # vocabulary size
+    stride_dp,  # draft_probs' row stride
+    stride_dt,  # and those of the vectors
+    stride_fc,
+    stride_ns,
+    stride_u,
+    BLOCK_V: tl.constexpr,  # vocabulary entries per block
 ):
+    """One program per request walks its tree (reference :func:`specsampler.mlc.batch_spec_verify`; plain loop
+    in ``tests/mlc/test_mlc_verify.py``)."""
     b = tl.program_id(0)
     root = tl.load(pp_ptr + b).to(tl.int64)
     parent = tl.minimum(tl.maximum(root, 0), N - 1)
@@ -120,9 +134,9 @@ def batch_spec_verify(
     dp = draft_probs if draft_probs.stride(1) == 1 else draft_probs.contiguous()
     block = min(block_v, triton.next_power_of_2(V))
     _spec_verify_kernel[(nbatch,)](
-        dp, draft_tokens, model_probs, token_tree_first_child, token_tree_next_sibling, uniform_samples,
-        token_tree_parent_ptr,
-        num_nodes, V, dp.stride(0), draft_tokens.stride(0), token_tree_first_child.stride(0),
-        token_tree_next_sibling.stride(0), uniform_samples.stride(0),
-        BLOCK_V=block, **launch_options(8 if block >= 2048 else 4),
+        dp_ptr=dp, dt_ptr=draft_tokens, mp_ptr=model_probs, fc_ptr=token_tree_first_child,
+        ns_ptr=token_tree_next_sibling, u_ptr=uniform_samples, pp_ptr=token_tree_parent_ptr, N=num_nodes, V=V,
+        stride_dp=dp.stride(0), stride_dt=draft_tokens.stride(0), stride_fc=token_tree_first_child.stride(0),
+        stride_ns=token_tree_next_sibling.stride(0), stride_u=uniform_samples.stride(0), BLOCK_V=block,
+        **launch_options(8 if block >= 2048 else 4),
     )

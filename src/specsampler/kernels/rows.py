@@ -116,18 +116,17 @@ def parts_per_row(rows: int, V: int, cfg: dict, device: torch.device) -> int:
     return parts if parts >= 2 else 0
 
 
-def scan_parts(logits: torch.Tensor, strides: tuple[int, int], mask: torch.Tensor, mask_strides: tuple[int, int],
-               num_drafts: torch.Tensor | None, temperature: torch.Tensor, top_k: torch.Tensor,
-               fscratch: torch.Tensor, rows: int, K1: int, parts: int | None, has_mask: bool, cfg: dict,
+def scan_parts(logits: torch.Tensor, strides: tuple[int, int], vocab_mask: torch.Tensor | None,
+               mask_strides: tuple[int, int], num_drafts: torch.Tensor | None, temperature: torch.Tensor,
+               top_k: torch.Tensor, fscratch: torch.Tensor, rows: int, K1: int, parts: int | None, cfg: dict,
                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Pass 1 over ``rows`` rows, each split into ``parts`` programs (0 to :data:`MAX_PARTS`; None:
-    :func:`parts_per_row`): row ``r`` is
-    row ``r % K1`` of request ``r // K1`` (``strides``: of the request and row dimensions of ``logits``,
-    and of ``mask``; with ``num_drafts``, int ``[rows / K1]``, only rows up to it); its parameters are at
-    index ``r`` (``greedy``: every row is greedy, the parameters are not read). Leaves the chunk results in
-    each row's ``fscratch`` row; returns the parts' maxima, float32 and int32 ``[rows * parts]``, and
-    ``parts``, for ``describe_row_in_parts`` / ``first_pass`` (``parts`` 0: launches nothing, the tensors
-    are empty)."""
+    :func:`parts_per_row`): row ``r`` is row ``r % K1`` of request ``r // K1`` (``strides``: of the request
+    and row dimensions of ``logits``, and ``mask_strides`` of ``vocab_mask``, uint8 or None; with
+    ``num_drafts``, int ``[rows / K1]``, only rows up to it); its parameters are at index ``r`` (``greedy``:
+    every row is greedy, the parameters are not read). Leaves the chunk results in each row's ``fscratch``
+    row; returns the parts' maxima, float32 and int32 ``[rows * parts]``, and ``parts``, for
+    ``describe_row_in_parts`` / ``first_pass`` (``parts`` 0: launches nothing, the tensors are empty)."""
     V = logits.shape[-1]
     parts = parts_per_row(rows, V, cfg, logits.device) if parts is None else parts
     part_m = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
@@ -135,9 +134,12 @@ def scan_parts(logits: torch.Tensor, strides: tuple[int, int], mask: torch.Tenso
     if parts == 0:
         return part_m, part_arg, parts
     _scan_parts_kernel[(rows, parts)](
-        logits, mask, logits if num_drafts is None else num_drafts, temperature, top_k, part_m, part_arg, fscratch,
-        K1, V, parts, *strides, *mask_strides, GREEDY=greedy, HAS_ND=num_drafts is not None, HAS_MASK=has_mask,
-        CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"], **launch_options(8),
+        logits_ptr=logits, logits_stride_b=strides[0], logits_stride_row=strides[1], vocab_mask_ptr=vocab_mask,
+        vocab_mask_stride_b=mask_strides[0], vocab_mask_stride_row=mask_strides[1], num_drafts_ptr=num_drafts,
+        temperature_ptr=None if greedy else temperature, top_k_ptr=None if greedy else top_k, part_m_ptr=part_m,
+        part_arg_ptr=part_arg, fscratch_ptr=fscratch, K1=K1, V=V, parts=parts, GREEDY=greedy,
+        HAS_ND=num_drafts is not None, HAS_MASK=vocab_mask is not None, CHUNK=cfg["CHUNK"],
+        BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"], **launch_options(8),
         enable_fp_fusion=False)  # compiled as the kernels that finish the pass are
     return part_m, part_arg, parts
 
@@ -289,27 +291,46 @@ def first_pass(logits_row, mask_row, V, inv_t, need_sums, fscratch_row, part_m_r
 
 @triton.jit
 def _scan_parts_kernel(
-    logits_ptr, mask_ptr, nd_ptr, temperature_ptr, top_k_ptr, part_m_ptr, part_arg_ptr, fscratch_ptr,
-    K1, V, parts, stride_lb, stride_lk, stride_mb, stride_mk,
-    GREEDY: tl.constexpr, HAS_ND: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
+    logits_ptr,  # float32/bf16/fp16 [B, K1, V] (or [R, V]), last dim contiguous
+    logits_stride_b,
+    logits_stride_row,
+    vocab_mask_ptr,  # uint8, rows as the logits' (HAS_MASK), else None
+    vocab_mask_stride_b,
+    vocab_mask_stride_row,
+    num_drafts_ptr,  # int [B] (HAS_ND), else None
+    temperature_ptr,  # float32 [rows] (not GREEDY), else None
+    top_k_ptr,  # int64 [rows] (not GREEDY), else None
+    part_m_ptr,  # out float32 [rows * parts]: each part's max logit
+    part_arg_ptr,  # out int32 [rows * parts]: its lowest id
+    fscratch_ptr,  # out float32 [rows, 3 * NCH_P2]: row_scratch, the chunk results
+    K1,  # rows per request
+    V,  # vocabulary size
+    parts,  # parts per row
+    GREEDY: tl.constexpr,  # every row is greedy (the parameters are not read)
+    HAS_ND: tl.constexpr,  # num_drafts_ptr is given
+    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    CHUNK: tl.constexpr,  # row_config's
+    BLOCK_CHUNKS: tl.constexpr,
+    NCH_P2: tl.constexpr,
 ):
     """Program (r, s): pass 1 over part s of row r (row i = r % K1 of request b = r // K1; with ``HAS_ND``
     only rows i <= num_drafts[b]): the chunk results into the row's scratch, (max, argmax) at
-    ``part_*[r * parts + s]``. Parts are runs of whole tiles, in order. ``GREEDY``: every row is greedy
-    (the parameters are not read)."""
+    ``part_*[r * parts + s]``, as :func:`scan_row` computes them for the whole row. Parts are runs of whole
+    tiles, in order."""
     r = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     b = r // K1
     i = r % K1
-    if (i <= tl.minimum(tl.maximum(tl.load(nd_ptr + b), 0), K1 - 1)) if HAS_ND else (i >= 0):
+    if (i <= tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K1 - 1)) if HAS_ND else (i >= 0):
         sampled, inv_t, _, top_k_on, _, _ = row_settings(V, 0.0 if GREEDY else tl.load(temperature_ptr + r),
                                                          0 if GREEDY else tl.load(top_k_ptr + r), 1.0, 0.0)
         tile = BLOCK_CHUNKS * CHUNK
         per = tl.cdiv(tl.cdiv(V, tile), parts) * tile
         lo = tl.minimum(s * per, V)
-        m, arg = scan_part(logits_ptr + b * stride_lb + i * stride_lk, mask_ptr + b * stride_mb + i * stride_mk, V,
-                           lo, tl.minimum(lo + per, V), inv_t, sampled & (top_k_on == 0),
+        logits_row = logits_ptr + b * logits_stride_b + i * logits_stride_row
+        # without a mask the logits row, never read as one
+        mask_row = vocab_mask_ptr + b * vocab_mask_stride_b + i * vocab_mask_stride_row if HAS_MASK else logits_row
+        m, arg = scan_part(logits_row, mask_row, V, lo, tl.minimum(lo + per, V), inv_t, sampled & (top_k_on == 0),
                            fscratch_ptr + r * (3 * NCH_P2), HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
         tl.store(part_m_ptr + r * parts + s, m)
         tl.store(part_arg_ptr + r * parts + s, arg)

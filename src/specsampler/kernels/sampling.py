@@ -43,15 +43,43 @@ def _row_uniform(row, seed_ptr, offset_ptr, index_ptr, u_ptr, PHILOX: tl.constex
 
 @triton.jit
 def _sample_from_logits_kernel(
-    logits_ptr, logits_stride, mask_ptr, mask_stride, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-    seed_ptr, offset_ptr, index_ptr, u_ptr, tokens_ptr, logprobs_ptr, fscratch_ptr, iscratch_ptr,
-    part_m_ptr, part_arg_ptr, parts, V, HAS_MASK: tl.constexpr, PHILOX: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr,
+    logits_ptr,  # float32/bf16/fp16 [R, V], last dim contiguous
+    logits_stride,
+    vocab_mask_ptr,  # uint8 [R, V], last dim contiguous (HAS_MASK), else None
+    vocab_mask_stride,
+    temperature_ptr,  # float32 [R] (0 = greedy)
+    top_k_ptr,  # int64 [R]
+    top_p_ptr,  # float32 [R]
+    min_p_ptr,  # float32 [R]
+    seed_ptr,  # int64 [R] (PHILOX), else None
+    offset_ptr,  # int64 [R] (PHILOX), else None
+    index_ptr,  # int64 [R] (PHILOX), else None
+    u_ptr,  # float32 [R] (without PHILOX), else None
+    tokens_ptr,  # out int64 [R]
+    logprobs_ptr,  # out float32 [R]
+    fscratch_ptr,  # float32 [R, 3 * NCH_P2]: rows.row_scratch
+    iscratch_ptr,  # int64 [R, 2 * CAND]
+    part_m_ptr,  # float32 [R * parts]: pass 1's part maxima (rows.scan_parts)
+    part_arg_ptr,  # int32 [R * parts]: their ids
+    parts,  # parts per row of pass 1 (0: none)
+    V,  # vocabulary size
+    HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+    CHUNK: tl.constexpr,  # the row functions' constexprs (rows.row_config)
+    BLOCK_CHUNKS: tl.constexpr,
+    NCH_P2: tl.constexpr,
+    CAND: tl.constexpr,
+    NUCLEUS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
 ):
+    """One program per row: its descriptor (:func:`specsampler.kernels.describe.describe_row_in_parts`), then one
+    draw (:func:`specsampler.kernels.describe.draw`); reference :func:`specsampler.sampling.ops.sample_from_logits`
+    (``process``, then ``sample_by_inversion``)."""
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
-    mask_row = mask_ptr + row * mask_stride
+    mask_row = vocab_mask_ptr + row * vocab_mask_stride if HAS_MASK else logits_row  # never read as a mask
     fscratch_row = fscratch_ptr + row * (3 * NCH_P2)
     iscratch_row = iscratch_ptr + row * (2 * CAND)
     m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row_in_parts(
@@ -65,14 +93,14 @@ def _sample_from_logits_kernel(
     tl.store(logprobs_ptr + row, tl.log(weight / tl.maximum(z, TINY)))
 
 
-def _randomness(R: int, seed, offset, index, u, device) -> tuple[bool, Tensor, Tensor, Tensor, Tensor]:
-    """(philox, seed, offset, index, u) with a placeholder for the unused side."""
+def _randomness(seed, offset, index, u) -> dict:
+    """The kernels' randomness arguments: Philox keys (``seed``, ``offset``, ``index``) or the uniforms ``u``,
+    None for the side not given, and ``PHILOX``."""
     if (u is None) == (seed is None or offset is None or index is None):
         raise ValueError("expected either seed, offset and index (int64 [R]) or u (float32 [R])")
     if u is None:
-        return True, seed, offset, index, torch.empty(0, dtype=torch.float32, device=device)
-    dummy = torch.empty(0, dtype=torch.int64, device=device)
-    return False, dummy, dummy, dummy, u
+        return dict(seed_ptr=seed, offset_ptr=offset, index_ptr=index, u_ptr=None, PHILOX=True)
+    return dict(seed_ptr=None, offset_ptr=None, index_ptr=None, u_ptr=u, PHILOX=False)
 
 
 def sample_from_logits(
@@ -116,28 +144,45 @@ def sample_from_logits(
     """
     R, V = logits.shape
     logits = last_dim_contiguous(logits)
-    philox, seed, offset, index, u = _randomness(R, seed, offset, index, u, logits.device)
+    randomness = _randomness(seed, offset, index, u)
     tokens = torch.empty(R, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(R, dtype=torch.float32, device=logits.device)
     if R == 0:
         return tokens, logprobs
     cfg = row_config(V, chunk=chunk, cand=cand, block=tile)
     fscratch, iscratch = row_scratch(R, cfg, logits.device)
-    mask = logits if vocab_mask is None else last_dim_contiguous(vocab_mask).view(torch.uint8)
-    part_m, part_arg, parts = scan_parts(logits, (logits.stride(0), 0), mask, (mask.stride(0), 0), None, temperature,
-                                         top_k, fscratch, R, 1, parts, vocab_mask is not None, cfg)
+    mask = None if vocab_mask is None else last_dim_contiguous(vocab_mask).view(torch.uint8)
+    mask_stride = 0 if mask is None else mask.stride(0)
+    part_m, part_arg, parts = scan_parts(logits, (logits.stride(0), 0), mask, (mask_stride, 0), None, temperature,
+                                         top_k, fscratch, R, 1, parts, cfg)
     _sample_from_logits_kernel[(R,)](
-        logits, logits.stride(0), mask, mask.stride(0), temperature, top_k, top_p, min_p,
-        seed, offset, index, u, tokens, logprobs, fscratch, iscratch, part_m, part_arg, parts, V,
-        HAS_MASK=vocab_mask is not None, PHILOX=philox, **launch_options(num_warps), **cfg,
+        logits_ptr=logits, logits_stride=logits.stride(0), vocab_mask_ptr=mask, vocab_mask_stride=mask_stride,
+        temperature_ptr=temperature, top_k_ptr=top_k, top_p_ptr=top_p, min_p_ptr=min_p, **randomness,
+        tokens_ptr=tokens, logprobs_ptr=logprobs, fscratch_ptr=fscratch, iscratch_ptr=iscratch, part_m_ptr=part_m,
+        part_arg_ptr=part_arg, parts=parts, V=V, HAS_MASK=mask is not None, **launch_options(num_warps), **cfg,
         enable_fp_fusion=False,  # rounded as the chain and tree kernels round it: target_only's draws are these
     )
     return tokens, logprobs
 
 
 @triton.jit
-def _sample_kernel(probs_ptr, probs_stride, seed_ptr, offset_ptr, index_ptr, u_ptr, tokens_ptr, fscratch_ptr, V,
-                   PHILOX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
+def _sample_kernel(
+    probs_ptr,  # float [R, V], last dim contiguous: non-negative weights
+    probs_stride,
+    seed_ptr,  # int64 [R] (PHILOX), else None
+    offset_ptr,  # int64 [R] (PHILOX), else None
+    index_ptr,  # int64 [R] (PHILOX), else None
+    u_ptr,  # float32 [R] (without PHILOX), else None
+    tokens_ptr,  # out int64 [R]
+    fscratch_ptr,  # float32 [R, 3 * NCH_P2]: the chunk masses at [2 * NCH_P2:]
+    V,  # vocabulary size
+    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+    CHUNK: tl.constexpr,  # rows.row_config's
+    BLOCK_CHUNKS: tl.constexpr,
+    NCH_P2: tl.constexpr,
+):
+    """One program per row: a draw by inversion from the weights (reference
+    :func:`specsampler.sampling.sample_by_inversion`), a pass for the chunk masses, then one chunk."""
     row = tl.program_id(0).to(tl.int64)
     probs_row = probs_ptr + row * probs_stride
     fscratch_row = fscratch_ptr + row * (3 * NCH_P2)
@@ -185,13 +230,13 @@ def sample(
         the last positive weight (0 for a row without mass).
     """
     R, V = probs.shape
-    philox, seed, offset, index, u = _randomness(R, seed, offset, index, u, probs.device)
+    randomness = _randomness(seed, offset, index, u)
     tokens = torch.empty(R, dtype=torch.int64, device=probs.device)
     if R == 0:
         return tokens
     cfg = row_config(V, chunk=chunk)
     fscratch = torch.empty(R, 3 * cfg["NCH_P2"], dtype=torch.float32, device=probs.device)  # as row_scratch's
-    _sample_kernel[(R,)](probs, probs.stride(0), seed, offset, index, u, tokens, fscratch, V, PHILOX=philox,
-                         CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"],
-                         **launch_options(num_warps))
+    _sample_kernel[(R,)](probs_ptr=probs, probs_stride=probs.stride(0), **randomness, tokens_ptr=tokens,
+                         fscratch_ptr=fscratch, V=V, CHUNK=cfg["CHUNK"], BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"],
+                         NCH_P2=cfg["NCH_P2"], **launch_options(num_warps))
     return tokens
