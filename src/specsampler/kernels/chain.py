@@ -1,12 +1,12 @@
 """Chain verification: one Triton program per request walks its draft chain.
 
 One kernel serves :func:`specsampler.verify.chain.verify_chain` (target rows are probabilities) and
-:func:`specsampler.verify.chain.verify_chain_from_logits` (``FROM_LOGITS``: each row of logits is processed by
-its parameters on the way, through its descriptor, :mod:`specsampler.kernels.describe`); each method's walk is a
-helper that reads beside its branch of the reference's ``_verify``, and reads no row past the position where
-its request stops. Small batches on a GPU first describe every row in a row-parallel kernel (``DESCRIBED``).
-Draws are by inversion as :func:`specsampler.sampling.processing.sample_by_inversion`, sums taken block by block
-in float32 (a token can differ from the reference's only where rounding decides), without fused multiply-add.
+:func:`specsampler.verify.chain.verify_chain_from_logits` (``FROM_LOGITS``: each row of logits is processed by its
+parameters on the way, through its descriptor, :mod:`specsampler.kernels.describe`); each method's walk is a helper
+that reads beside its branch of the reference's ``_verify``, and reads no row past the position where its request
+stops. Small batches on a GPU first describe every row in a row-parallel kernel (``DESCRIBED``). Draws are by
+inversion as :func:`specsampler.sampling.distributions.sample_by_inversion`, sums taken block by block in float32 (a
+token can differ from the reference's only where rounding decides), without fused multiply-add.
 """
 
 from __future__ import annotations

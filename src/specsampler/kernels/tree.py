@@ -1,14 +1,14 @@
 """Tree verification: one Triton program per request walks its draft tree along ``first_child`` / ``next_sibling``.
 
-One kernel per method serves :func:`specsampler.verify.tree.verify_tree` (target rows are probabilities) and
-:func:`specsampler.verify.tree.verify_tree_from_logits` (``FROM_LOGITS``: a row of logits is processed by its
-parameters when the walk first needs it, through its descriptor, :mod:`specsampler.kernels.describe`). A walk reads
-only the rows it visits. Rows that change (residuals, ``Mb``, ``Ms``) live unnormalised in a per-request scratch
-buffer with their divisor kept aside (``w / divisor`` is the reference's normalised row, the same float32
+One kernel, each method's walk a helper beside its reference, serves :func:`specsampler.verify.tree.verify_tree`
+(target rows are probabilities) and :func:`specsampler.verify.tree.verify_tree_from_logits` (``FROM_LOGITS``: a row
+of logits is processed when the walk first needs it, through its descriptor, :mod:`specsampler.kernels.describe`); a
+walk reads only the rows it visits. Rows that change (residuals, ``Mb``, ``Ms``) live unnormalised in a per-request
+scratch buffer with their divisor kept aside (``w / divisor`` is the reference's normalised row, the same float32
 division); a residual without mass leaves its row as it was. Draws are by inversion as
-:func:`specsampler.sampling.sample_by_inversion`, sums taken block by block in float32 (a result can differ from
-the reference's only where rounding decides), without fused multiply-add. Randomness: the acceptance test of node
-c is ``STREAM_ACCEPT`` index c, the draw at node v ``STREAM_SAMPLE`` index v (:mod:`specsampler.rng`).
+:func:`specsampler.sampling.distributions.sample_by_inversion`, sums taken block by block in float32 (a result can
+differ from the reference's only where rounding decides), without fused multiply-add. Randomness: the acceptance
+test of node c is ``STREAM_ACCEPT`` index c, the draw at node v ``STREAM_SAMPLE`` index v (:mod:`specsampler.rng`).
 """
 
 from __future__ import annotations
