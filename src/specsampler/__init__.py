@@ -10,7 +10,7 @@ import importlib
 
 from . import _legacy
 from .params import SamplingParams
-from .rng import Philox
+from .rng import Philox, Uniforms
 from .sampling import (
     SampleOutput,
     logits_to_probs,
@@ -56,6 +56,7 @@ __all__ = [
     "SamplingParams",
     "TokenTree",
     "TreeResult",
+    "Uniforms",
     "ValidationError",
     "compact_kv",
     "logits_to_probs",

@@ -1,9 +1,10 @@
-"""Randomness for every stochastic op: ``rng=None | torch.Generator | Philox``.
+"""Randomness for every stochastic op: ``rng=None | torch.Generator | Philox | Uniforms``.
 
 - ``None``: the global torch generator of the device; a ``torch.Generator``: ``torch.rand`` from it
   (results then depend on the whole batch);
 - :class:`Philox` ``(seed, offset=0)``: counter-based streams per request (Philox4x32-10, as Triton's
-  ``tl.philox``): request b's results depend on its own inputs, seed and offset alone.
+  ``tl.philox``): request b's results depend on its own inputs, seed and offset alone;
+- :class:`Uniforms`: the caller's own uniforms, used as given (drop-in layers whose callers draw them).
 
 The counter layout, the streams and indices of each op, and the draw by inversion are the contract the
 kernels follow: docs/design.md, "Randomness".
@@ -52,6 +53,27 @@ class Philox:
         )
 
 
+@dataclass(frozen=True)
+class Uniforms:
+    """The caller's uniforms in [0, 1), used as given, laid out as the Philox counters are (docs/design.md,
+    "Randomness"): ``sample`` float ``[B, n]`` the draws and corrections (``STREAM_SAMPLE``), ``accept`` float
+    ``[B, n]`` the acceptance tests (``STREAM_ACCEPT``; chain draft i at index i + 1); ``n`` at least the
+    indices the op reads (K + 1 for a chain, N for a tree). None for a stream the op does not read."""
+
+    sample: Tensor | None = None
+    accept: Tensor | None = None
+
+    def stream(self, op: str, stream: int, batch: int, count: int, device: torch.device) -> Tensor:
+        """float32 ``[batch, count]``: the given uniforms of ``stream`` at indices ``0 .. count-1``."""
+        name, t = ("Uniforms.sample", self.sample) if stream == STREAM_SAMPLE else ("Uniforms.accept", self.accept)
+        if t is None:
+            fail(op, name, f"a float tensor [B, >= {count}] (this op reads it)", "None")
+        check_tensor(op, name, t, kind="float", ndim=2)
+        if t.shape[0] != batch or t.shape[1] < count:
+            fail(op, name, f"shape [B = {batch}, >= {count}]", f"shape {list(t.shape)}")
+        return t[:, :count].to(device=device, dtype=torch.float32)
+
+
 def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.device) -> Tensor:
     if isinstance(v, Tensor):
         check_tensor(op, name, v, kind="int", ndim=(0, 1))
@@ -66,8 +88,8 @@ def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.
 
 
 def check_rng(op: str, rng: object) -> None:
-    if rng is not None and not isinstance(rng, (torch.Generator, Philox)):
-        fail(op, "rng", "None, a torch.Generator or specsampler.Philox", type(rng).__name__)
+    if rng is not None and not isinstance(rng, (torch.Generator, Philox, Uniforms)):
+        fail(op, "rng", "None, a torch.Generator, specsampler.Philox or specsampler.Uniforms", type(rng).__name__)
 
 
 def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -146,6 +168,8 @@ def uniform(rng, op: str, batch: int, count: int, stream: int, device: torch.dev
         seed, offset = rng.keys(op, batch, device)
         index = torch.arange(count, device=device, dtype=torch.int64).expand(batch, count)
         return philox_uniform(seed, offset, index, stream)
+    if isinstance(rng, Uniforms):
+        return rng.stream(op, stream, batch, count, device)
     if isinstance(rng, torch.Generator):
         return torch.rand((batch, count), generator=rng, device=rng.device).to(device)
     return torch.rand((batch, count), device=device)

@@ -104,6 +104,18 @@ def test_the_lossy_ensemble_draws_what_transformers_draws():
         assert ours[0].tolist() == theirs[0].tolist() and int(ours[1]) == int(theirs[1])
 
 
+def test_the_acceptance_tests_use_transformers_source_of_uniforms(monkeypatch):
+    """The lossless path draws its uniforms with ``torch.rand_like``, as transformers does, so a test that pins
+    them (transformers' own tests mock ``rand_like``) pins our decisions: draft 1 (p/q = 0.5) is rejected at
+    u = 0.6 and accepted at u = 0.4, whatever the global generator says."""
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.8, 0.1, 0.05, 0.05]])
+    for u, accepted in ((0.6, 0), (0.4, 1)):
+        monkeypatch.setattr(torch, "rand_like", lambda t, u=u: torch.full_like(t, u))
+        runs = {int(speculative_sampling(*inputs(p, q, [0]))[1]) for _ in range(8)}
+        assert runs == {accepted}
+
+
 def test_the_triton_path_draws_the_torch_paths_tokens(monkeypatch):
     g = torch.Generator().manual_seed(6)
     p = torch.softmax(torch.randn(3, 8, generator=g), -1)

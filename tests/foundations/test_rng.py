@@ -233,3 +233,31 @@ def test_triton_philox_draws_the_documented_numbers():
     draw[(4,)](seed.to(device), offset.to(device), out, 8, STREAM_ACCEPT)
     expected = philox_uniform(seed, offset, torch.arange(8).expand(4, 8), STREAM_ACCEPT)
     assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_given_uniforms_are_used_as_given(backend, monkeypatch):
+    """``Uniforms`` holding a Philox's numbers at its counters gives the Philox's tokens, for chains and trees,
+    on both back ends; a stream the op reads but the caller left out is a ValueError naming it."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", backend)
+    B, K, V = 5, 3, 11
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
+    x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    philox = ss.Philox(torch.arange(B) + 40)
+    given = ss.Uniforms(sample=uniform(philox, "t", B, K + 1, STREAM_SAMPLE, torch.device("cpu")),
+                        accept=uniform(philox, "t", B, K + 1, STREAM_ACCEPT, torch.device("cpu")))
+    for method in ("token", "block"):
+        want = ss.verify_chain(p, x, q, method=method, rng=philox)
+        got = ss.verify_chain(p, x, q, method=method, rng=given)
+        assert torch.equal(got.tokens, want.tokens), method
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 1, 2]] * B))
+    drafts = torch.nn.functional.pad(x, (1, 0))
+    qt = torch.nn.functional.pad(q, (0, 0, 1, 0))
+    want = ss.verify_tree(p, drafts, tree, qt, method="traversal", rng=philox)
+    assert torch.equal(ss.verify_tree(p, drafts, tree, qt, method="traversal", rng=given).tokens, want.tokens)
+    with pytest.raises(ValueError, match=r"Uniforms.accept: expected a float tensor \[B, >= 4\]"):
+        ss.verify_chain(p, x, q, method="token", rng=ss.Uniforms(sample=given.sample))
+    with pytest.raises(ValueError, match=r"Uniforms.sample: expected shape \[B = 5, >= 4\], got shape \[5, 2\]"):
+        ss.verify_chain(p, x, q, method="token", rng=ss.Uniforms(sample=given.sample[:, :2], accept=given.accept))

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from specsampler import verify_chain
+from specsampler import Uniforms, verify_chain
 from specsampler.validation import check_tensor, fail
 
 __all__ = ["patched", "speculative_sampling"]
@@ -79,11 +79,21 @@ def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_len
             fail(op, "assistant_ensemble_weight", f"None or >= 1 with method {method!r} (the ensemble is "
                  "defined for token verification)", weight)
         return _ensemble(drafts, q, p, is_done_candidate, float(weight))
-    res = verify_chain(p, drafts, q, method=method)
+    res = verify_chain(p, drafts, q, method=method, rng=_transformers_uniforms(p, K))
     n = res.num_accepted[0]
     if is_done_candidate and int(n) == K:
         return drafts.clone(), n - 1
     return res.tokens[:, : int(n) + 1], n
+
+
+def _transformers_uniforms(p: Tensor, K: int) -> Uniforms:
+    """Uniforms from transformers' own source, ``torch.rand_like``: the acceptance tests' of the K drafts (as
+    transformers draws them; draft i tests index i + 1), and one for the correction or bonus token, which a
+    chain draws once (at the first rejection, or at K), so every index holds it. Mocks of ``rand_like`` in
+    transformers' tests then pin our draws too."""
+    u_accept = torch.rand_like(p[0, :K, 0]).reshape(-1)[:K].float()
+    u_draw = torch.rand_like(p[0, :1, 0]).reshape(-1)[:1].float()
+    return Uniforms(sample=u_draw.expand(K + 1)[None], accept=torch.cat([u_accept.new_zeros(1), u_accept])[None])
 
 
 def _ensemble(drafts: Tensor, q: Tensor, p: Tensor, is_done_candidate: bool, w: float) -> tuple[Tensor, Tensor]:
