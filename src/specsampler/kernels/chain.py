@@ -175,8 +175,9 @@ def _no_descriptor(FROM_LOGITS: tl.constexpr, ROWS: tl.constexpr):
     """The descriptor a walk starts from, before it describes a row (a scalar stand-in for probabilities)."""
     d = tl.full((), 0, tl.int32)
     if FROM_LOGITS:
-        d = fixed_types(0.0, 1.0, float("-inf"), 0, 0.0, 0.0, 0, tl.zeros([ROWS.CAND], tl.int32),
-                        tl.zeros([ROWS.CAND], tl.float32))
+        # tl.full, not tl.zeros: Triton 3.6's tl.zeros takes no plain int (a RowConfig field) as a size
+        d = fixed_types(0.0, 1.0, float("-inf"), 0, 0.0, 0.0, 0, tl.full([ROWS.CAND], 0, tl.int32),
+                        tl.full([ROWS.CAND], 0.0, tl.float32))
     return d
 
 
