@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,8 @@ from torch import Tensor
 from specsampler import Philox, SamplingParams, logits_to_probs, verify_chain_from_logits
 from specsampler.validation import check_shape, check_tensor, fail
 
+from .metadata import LogitsProcessors, SamplerOutput, SamplingMetadata, SpecDecodeMetadata
+
 PLACEHOLDER_TOKEN_ID = -1
 GREEDY_TEMPERATURE = 0
 # vLLM's bound on draft tokens per request and step.
@@ -31,6 +33,7 @@ MAX_SPEC_LEN = 128
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "LogitsProcessors",
     "MAX_SPEC_LEN",
     "PLACEHOLDER_TOKEN_ID",
     "RejectionSampler",
@@ -43,94 +46,6 @@ __all__ = [
     "sample_recovered_tokens",
     "unconditional_to_conditional_rates",
 ]
-
-
-# ----------------------------------------------------------------------------- metadata stand-ins
-
-
-@dataclass
-class SpecDecodeMetadata:
-    """Stand-in for vLLM's ``vllm.v1.spec_decode.metadata.SpecDecodeMetadata`` (same fields).
-
-    draft_token_ids: int32 ``[T]``; num_draft_tokens: ``B`` ints; cu_num_draft_tokens,
-    cu_num_sampled_tokens: int32 ``[B]`` (inclusive cumulative sums of drafts, and of drafts + 1);
-    target_logits_indices ``[T]``, bonus_logits_indices ``[B]``: rows of the target's logits;
-    logits_indices ``[T + B]``. ``max_spec_len`` = the longest chain.
-    """
-
-    draft_token_ids: Tensor
-    num_draft_tokens: list[int]
-    cu_num_draft_tokens: Tensor
-    cu_num_sampled_tokens: Tensor
-    target_logits_indices: Tensor
-    bonus_logits_indices: Tensor
-    logits_indices: Tensor
-
-    def __post_init__(self):
-        self.max_spec_len = max(self.num_draft_tokens, default=0)
-
-    @classmethod
-    def make_dummy(cls, draft_token_ids: list[list[int]], device: torch.device | str) -> SpecDecodeMetadata:
-        """Metadata for the given drafts of each request (logits indices all 0, as vLLM's)."""
-        n = [len(ids) for ids in draft_token_ids]
-        B, T = len(n), sum(n)
-        as_int32 = lambda values: torch.from_numpy(np.asarray(values, dtype=np.int32)).to(device)
-        return cls(
-            draft_token_ids=torch.tensor(sum(draft_token_ids, []), dtype=torch.int32, device=device),
-            num_draft_tokens=n,
-            cu_num_draft_tokens=as_int32(np.cumsum(n, dtype=np.int32)),
-            cu_num_sampled_tokens=as_int32(np.cumsum([k + 1 for k in n], dtype=np.int32)),
-            target_logits_indices=torch.zeros(T, dtype=torch.int32, device=device),
-            bonus_logits_indices=torch.zeros(B, dtype=torch.int32, device=device),
-            logits_indices=torch.zeros(T + B, dtype=torch.int32, device=device),
-        )
-
-
-class LogitsProcessors:
-    """Stand-in for vLLM's ``LogitsProcessors`` container: no processors."""
-
-    all: tuple = ()
-    argmax_invariant: tuple = ()
-    non_argmax_invariant: tuple = ()
-
-
-@dataclass
-class SamplingMetadata:
-    """Stand-in for vLLM's ``vllm.v1.sample.metadata.SamplingMetadata`` (the fields the rejection
-    sampler reads; vLLM's object works as well).
-
-    temperature: float ``[B]`` (``0`` = greedy) or None when ``all_greedy``; top_p / top_k ``[B]``
-    or None; generators: request index -> ``torch.Generator``; max_num_logprobs: None = no
-    logprobs; penalties ``[B]`` with ``prompt_token_ids [B, L]`` padded with V; output_token_ids
-    and spec_token_ids: per request lists; allowed_token_ids_mask: bool ``[B, V]``, True =
-    disallowed; bad_words_token_ids: request index -> banned token sequences.
-    """
-
-    temperature: Tensor | None = None
-    all_greedy: bool = True
-    all_random: bool = False
-    top_p: Tensor | None = None
-    top_k: Tensor | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
-    max_num_logprobs: int | None = None
-    no_penalties: bool = True
-    prompt_token_ids: Tensor | None = None
-    frequency_penalties: Tensor | None = None
-    presence_penalties: Tensor | None = None
-    repetition_penalties: Tensor | None = None
-    output_token_ids: list[list[int]] = field(default_factory=list)
-    allowed_token_ids_mask: Tensor | None = None
-    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
-    logitsprocs: Any = field(default_factory=LogitsProcessors)
-    spec_token_ids: list[list[int]] = field(default_factory=list)
-
-
-@dataclass
-class SamplerOutput:
-    """Stand-in for vLLM's ``SamplerOutput``: sampled_token_ids int32 ``[B, max_spec_len + 1]``."""
-
-    sampled_token_ids: Tensor
-    logprobs_tensors: Any = None
 
 
 def unconditional_to_conditional_rates(rates: list[float]) -> list[float]:
