@@ -1,10 +1,10 @@
 import pytest
 import torch
+from stats import assert_counts_match
 
 from conftest import mc_trials
 from specsampler import TokenTree, longspec, oracle
 from specsampler.verify.exactness import Table, encode, encode_dist, random_model, shape_parents, tree_inputs
-from stats import assert_counts_match
 
 
 def _reference_greedy(input_ids, output_ids, mask, non_leaf_len):

@@ -1,12 +1,12 @@
 import pytest
 import torch
+from stats import assert_counts_match, assert_exact, assert_mean_within
 
 import specsampler as ss
 from conftest import mc_trials
 from specsampler import SamplingParams as SP
 from specsampler.verify import oracle
 from specsampler.verify.exactness import Table, chain_inputs, chain_monte_carlo, encode, encode_dist, random_model
-from stats import assert_counts_match, assert_exact, assert_mean_within
 
 SAMPLED = ("token", "block")
 CASES = [(4, 3, True, 11), (6, 2, False, 12), (3, 4, True, 13), (5, 1, True, 14)]  # V, K, zeros, seed

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from stats import assert_counts_match, assert_exact
 
 import specsampler as ss
 from conftest import mc_trials
@@ -14,7 +15,6 @@ from specsampler.verify.exactness import (
     tree_inputs,
     tree_monte_carlo,
 )
-from stats import assert_counts_match, assert_exact
 
 SHAPES = [[2, 2], [3, 1], [1, 2, 1], [2, 2, 2]]
 LOSSLESS = [("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
