@@ -3,9 +3,9 @@ reference, ``SPECSAMPLER_BACKEND`` forces one; the public functions give the sam
 
 import pytest
 import torch
+from kernelcheck import DEVICE, KERNEL_OPS, as_tuple, mlc_case, public_op_calls, to_device
 
 import specsampler as ss
-from kernelcheck import DEVICE, KERNEL_OPS, as_tuple, mlc_case, public_op_calls, to_device
 from specsampler.kernels import use_triton
 
 pytest.importorskip("triton")

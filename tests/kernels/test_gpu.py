@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from kernelcheck import KERNEL_OPS, as_tuple, public_op_calls
 
 import specsampler as ss
-from kernelcheck import KERNEL_OPS, as_tuple, public_op_calls
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"

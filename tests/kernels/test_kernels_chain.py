@@ -10,9 +10,9 @@ import os
 
 import pytest
 import torch
+from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 
 import specsampler as ss
-from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 from specsampler.kernels import chain as kchain
 
 METHODS = ("token", "block", "target_only", "greedy")

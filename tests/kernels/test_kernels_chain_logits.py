@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 
 import specsampler as ss
-from kernelcheck import DEVICE, assert_same_chain, chain_shape, recorded_loads, row_reads, to_device
 from specsampler import SamplingParams as SP
 from specsampler.kernels import chain as kchain
 from specsampler.kernels import sampling as ksampling

@@ -2,11 +2,11 @@
 and on a GPU at full size (``-m gpu``, with SPECSAMPLER_FULL_MC=1 for 200k trials)."""
 
 import pytest
+from kernelcheck import DEVICE
+from stats import assert_exact
 
 from conftest import mc_trials
-from kernelcheck import DEVICE
 from specsampler.verify.exactness import chain_monte_carlo, tree_monte_carlo
-from stats import assert_exact
 
 pytest.importorskip("triton")
 

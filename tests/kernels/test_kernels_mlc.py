@@ -7,8 +7,8 @@ residual's mass in another order), so they are compared with a relative toleranc
 
 import pytest
 import torch
-
 from kernelcheck import DEVICE
+
 from specsampler import mlc
 from specsampler.kernels import mlc as kmlc
 

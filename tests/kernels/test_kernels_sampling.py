@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernelcheck import DEVICE, on_device
 
 import specsampler as ss
-from kernelcheck import DEVICE, on_device
 from specsampler import SamplingParams as SP
 from specsampler.kernels import rows as rows_module
 from specsampler.kernels import sampling as ksampling

@@ -11,9 +11,9 @@ in exact arithmetic (a residual and a renormalised q), which the random inputs a
 
 import pytest
 import torch
+from kernelcheck import DEVICE, assert_traversal_slots_outcome, traversal_slots_case
 
 import specsampler as ss
-from kernelcheck import DEVICE, assert_traversal_slots_outcome, traversal_slots_case
 from specsampler import TokenTree
 from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniform
 

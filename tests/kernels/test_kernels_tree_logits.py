@@ -15,8 +15,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-
-import specsampler as ss
 from kernelcheck import (
     DEVICE,
     assert_traversal_slots_outcome,
@@ -25,6 +23,8 @@ from kernelcheck import (
     to_device,
     traversal_slots_case,
 )
+
+import specsampler as ss
 from specsampler import SamplingParams as SP
 from specsampler import TokenTree
 from specsampler.rng import STREAM_ACCEPT, uniform
