@@ -38,7 +38,8 @@ def _worker(rank: int, world: int, port: int, layout: int, out_dir: str) -> None
     try:
         bounds = scenarios.splits(world)[layout]
         shard = parallel.VocabShard(bounds[rank], bounds[rank + 1] - bounds[rank], scenarios.V)
-        results = {}
+        even = parallel.VocabShard.even(scenarios.V)
+        results = {"even": (even.start, even.size)}
         for name, fn in scenarios.SCENARIOS.items():
             g = torch.Generator().manual_seed(1234)  # the same inputs on every rank
             try:
@@ -109,9 +110,15 @@ def test_errors_are_raised_on_every_rank_and_none_waits(ranks):
     assert _same_on_every_rank(ranks, "errors") == ["ValidationError", "ValidationError", "NotImplementedError"]
 
 
-def test_shards_of_a_group_follow_megatrons_even_split():
-    """``VocabShard.even``'s arithmetic, checked on a group of one (the spawned groups use the same rule)."""
-    assert scenarios.splits(4)[0] == [0, 10, 20, 30, 37]
+# VocabShard.even at V = 37: ceil(37 / world) ids per rank in rank order, the last rank the rest
+EVEN = {2: [(0, 19), (19, 18)], 3: [(0, 13), (13, 13), (26, 11)], 4: [(0, 10), (10, 10), (20, 10), (30, 7)]}
+
+
+def test_even_shards_follow_megatrons_split(ranks):
+    assert [tuple(r["even"]) for r in ranks] == EVEN[len(ranks)]
+
+
+def test_shard_arguments_are_checked():
     with pytest.raises(ValueError, match="size"):
         parallel.VocabShard(30, 8, 37)
     with pytest.raises(ValueError, match="shard"):

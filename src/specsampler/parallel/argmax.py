@@ -41,9 +41,8 @@ def shard_argmax(rows: Tensor, shard: VocabShard) -> tuple[Tensor, Tensor]:
     if shard.size == 0:
         key = torch.full(lead, torch.iinfo(torch.int64).min, dtype=torch.int64, device=rows.device)
     else:
-        x = rows.float()
-        local = greedy_ids(x).unsqueeze(-1)
-        top = x.gather(-1, local)[..., 0]
+        local = greedy_ids(rows).unsqueeze(-1)  # in the rows' own dtype: no float32 copy of the shard
+        top = rows.gather(-1, local)[..., 0].float()
         top = torch.where(torch.isnan(top), float("-inf"), top)  # a row of NaN only
         key = _order_key(top) * _LOW + (_LOW - 1 - (shard.start + local[..., 0]))
     key = key.contiguous()

@@ -22,7 +22,6 @@ from ..validation import (
     check_logits_values,
     check_method,
     check_mode,
-    check_no_bad,
     check_shape,
     check_tensor,
     check_token_values,
@@ -40,14 +39,14 @@ PENDING = ("sampled rows on vocabulary shards need the shard-invariant draw reci
 
 def _inputs(op: str, logits: Tensor, name: str, ndim: int, shard: object, rng: object, vocab_mask: Tensor | None,
             full: bool) -> Tensor:
-    """Checks shared by the ops; returns the logits as float32 with masked tokens at -inf."""
+    """Checks shared by the ops; returns the logits (their dtype) with masked tokens at -inf."""
     if not isinstance(shard, VocabShard):
         fail(op, "shard", "a specsampler.parallel.VocabShard", type(shard).__name__)
     if rng is not None and not isinstance(rng, Philox):
         fail(op, "rng", "a specsampler.Philox (the same streams on every rank)", type(rng).__name__)
     check_tensor(op, name, logits, kind="float", ndim=ndim)
     shard.check_rows(op, name, logits)
-    x = logits.float()
+    x = logits
     if vocab_mask is not None:
         check_tensor(op, "vocab_mask", vocab_mask, kind="bool")
         check_device(op, "vocab_mask", vocab_mask, logits.device)
@@ -74,13 +73,10 @@ def _agreed(op: str, shard: VocabShard, check, device) -> None:
         raise ValidationError(message or f"{op}: a value check failed on another rank of the shard's group")
 
 
-def _greedy(op: str, params: SamplingParams | None, batch: int, device) -> bool:
+def _greedy(params: SamplingParams | None) -> bool:
     """Every request's temperature is 0 (read on the host: one sync where the tensor is on a device)."""
     t = 1.0 if params is None else params.temperature
-    if isinstance(t, Tensor):
-        check_tensor(op, "params.temperature", t, kind="float", ndim=(0, 1))
-        return bool((t == 0).all())
-    return t == 0
+    return bool((t == 0).all()) if isinstance(t, Tensor) else t == 0
 
 
 def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng: Philox | None = None,
@@ -94,7 +90,7 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
     x = _inputs(op, logits, "logits", 2, shard, rng, vocab_mask, full)
     if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
         fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
-    if not _greedy(op, params, x.shape[0], x.device):
+    if not _greedy(params):
         raise NotImplementedError(f"{op}: {PENDING}")
     tokens, mass = shard_argmax(x, shard)
     # a greedy row is one-hot: log-probability 0 at its token, -inf elsewhere; -inf everywhere without mass
@@ -126,27 +122,16 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     check_device(op, "draft_tokens", draft_tokens, dev)
     method, _ = check_method(op, method, _chain.METHODS, ("token", "block"), draft_probs,
                              (B, K, shard.size), "[B, K, shard.size]", dev)
-    if not (method == "greedy" or method == "target_only" and _greedy(op, params, B, dev)):
+    if not (method == "greedy" or method == "target_only" and _greedy(params)):
         raise NotImplementedError(f"{op}: {PENDING}")
     drafts = draft_tokens.long()
-    n_max = torch.full((B,), K, dtype=torch.int64, device=dev)
-    if num_drafts is not None:
-        check_tensor(op, "num_drafts", num_drafts, kind="int", ndim=1)
-        check_shape(op, "num_drafts", num_drafts, (B,), "[B]")
-        check_device(op, "num_drafts", num_drafts, dev)
-        n_max = num_drafts.long()
-        if dev.type == "cpu" or full:
-            check_no_bad(op, "num_drafts", (n_max < 0) | (n_max > K), n_max, f"values in [0, K] = [0, {K}]")
+    n_max = _chain.check_num_drafts(op, num_drafts, B, K, dev, full)
     if full:
         _agreed(op, shard, lambda: check_token_values(op, "draft_tokens", drafts, V), dev)
     y, _ = shard_argmax(x, shard)
-    pos = torch.arange(K1, device=dev)
-    # a draft is accepted where it is the argmax (an id outside [0, V) never is) before its request's num_drafts
-    ok = (drafts == y[:, :K]) & (pos[:K] < n_max[:, None])
-    n = ok.long().cumprod(1).sum(1)
-    drafts_pad = torch.nn.functional.pad(drafts, (0, 1), value=-1)
-    tokens = torch.where(pos < n[:, None], drafts_pad, torch.where(pos == n[:, None], y.gather(1, n[:, None]), -1))
-    return ChainResult(tokens, n, lambda: n.float())
+    usable = (drafts >= 0) & (drafts < V) & (torch.arange(K, device=dev) < n_max[:, None])
+    c = _chain.ChainInputs(B, K, V, "greedy", drafts.clamp(0, V - 1), drafts, usable, n_max, None)
+    return _chain.verify_greedy(c, y)
 
 
 class _Argmaxes:
@@ -183,7 +168,7 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
         fail(op, "draft_sampling", "one of ('iid', 'without_replacement')", repr(draft_sampling))
     method, _ = check_method(op, method, _tree.METHODS, ("rrs", "traversal"), draft_probs,
                              (B, N, shard.size), "[B, N, shard.size]", dev)
-    if not (method == "greedy" or method == "target_only" and _greedy(op, params, B, dev)):
+    if not (method == "greedy" or method == "target_only" and _greedy(params)):
         raise NotImplementedError(f"{op}: {PENDING}")
     drafts = draft_tokens.long()
     if full:

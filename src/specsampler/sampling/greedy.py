@@ -14,6 +14,8 @@ def nan_as_minus_inf(x: Tensor) -> Tensor:
 def greedy_ids(x: Tensor) -> Tensor:
     """int64 ``[...]``: the argmax of ``x`` (float ``[..., V]``) over its last dimension, ties to the lowest id;
     NaN is never chosen (read as -inf, as the kernels compare), so a row of NaN gives 0."""
+    if x.device.type != "cpu":  # no host sync on a device: compare NaN as -inf in the one pass
+        return nan_as_minus_inf(x).argmax(-1)
     ids = x.argmax(-1)  # one pass; torch.argmax stops at a NaN, which only rows holding one redo
     nan = torch.isnan(x.gather(-1, ids.unsqueeze(-1))).squeeze(-1)
     if bool(nan.any()):

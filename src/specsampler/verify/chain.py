@@ -68,7 +68,7 @@ class ChainResult:
 
 
 @dataclass(frozen=True)
-class _Chain:
+class ChainInputs:
     """Validated inputs. x: int64 ``[B, K]`` clamped into ``[0, V)``; usable: the drafts that
     may be accepted (in range and before ``num_drafts``); q: float32 ``[B, K, V]`` or None."""
 
@@ -83,7 +83,20 @@ class _Chain:
     q: Tensor | None
 
 
-def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts, method, full, logits) -> _Chain:
+def check_num_drafts(op: str, num_drafts: Tensor | None, B: int, K: int, device: torch.device, full: bool) -> Tensor:
+    """``num_drafts`` (integer ``[B]`` in ``[0, K]``, None: all K) checked, as int64 ``[B]``."""
+    if num_drafts is None:
+        return torch.full((B,), K, dtype=torch.int64, device=device)
+    check_tensor(op, "num_drafts", num_drafts, kind="int", ndim=1)
+    check_shape(op, "num_drafts", num_drafts, (B,), "[B]")
+    check_device(op, "num_drafts", num_drafts, device)
+    n = num_drafts.long()
+    if values_checkable(n, full):
+        check_no_bad(op, "num_drafts", (n < 0) | (n > K), n, f"values in [0, K] = [0, {K}]")
+    return n
+
+
+def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts, method, full, logits) -> ChainInputs:
     check_tensor(op, target_name, target, kind="float", ndim=3)
     B, K1, V = target.shape
     if K1 < 1 or V < 1:
@@ -93,15 +106,7 @@ def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts,
     check_shape(op, "draft_tokens", draft_tokens, (B, K), f"[B, K] (K+1 = {K1} rows of {target_name})")
     check_device(op, "draft_tokens", draft_tokens, dev)
     method, q = check_method(op, method, METHODS, ("token", "block"), draft_probs, (B, K, V), "[B, K, V]", dev)
-    if num_drafts is None:
-        n = torch.full((B,), K, dtype=torch.int64, device=dev)
-    else:
-        check_tensor(op, "num_drafts", num_drafts, kind="int", ndim=1)
-        check_shape(op, "num_drafts", num_drafts, (B,), "[B]")
-        check_device(op, "num_drafts", num_drafts, dev)
-        n = num_drafts.long()
-        if values_checkable(n, full):
-            check_no_bad(op, "num_drafts", (n < 0) | (n > K), n, f"values in [0, K] = [0, {K}]")
+    n = check_num_drafts(op, num_drafts, B, K, dev, full)
     pos = torch.arange(K, device=dev)
     x_raw = draft_tokens.long()
     in_range = (x_raw >= 0) & (x_raw < V)
@@ -110,7 +115,7 @@ def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts,
         (check_logits_values if logits else check_probs_values)(op, target_name, target)
         if q is not None:
             check_probs_values(op, "draft_probs", q)
-    return _Chain(B, K, V, method, x_raw.clamp(0, V - 1), x_raw, in_range & (pos < n[:, None]), n, q)
+    return ChainInputs(B, K, V, method, x_raw.clamp(0, V - 1), x_raw, in_range & (pos < n[:, None]), n, q)
 
 
 def _leading_run(ok: Tensor) -> Tensor:
@@ -123,12 +128,12 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(num > 0, torch.where(num >= den, 1.0, num / den), 0.0)
 
 
-def _p_x(c: _Chain, target: Processed) -> Tensor:
+def _p_x(c: ChainInputs, target: Processed) -> Tensor:
     """float32 ``[B, K]``: the target probability of each draft at its position."""
     return target.prob(torch.nn.functional.pad(c.x, (0, 1)).view(-1)).view(c.B, c.K + 1)[:, : c.K]
 
 
-def _block_terms(c: _Chain, target: Processed, p_x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _block_terms(c: ChainInputs, target: Processed, p_x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Block verification's ``a`` ``[B, K+1]``, dense ``p`` ``[B, K+1, V]``, ``w = max(a p - q, 0)``
     ``[B, K, V]`` and ``h`` ``[B, K+1]`` (0 past ``num_drafts``, ``a`` at it, ``h_0 = 1``)."""
     B, K, dev = c.B, c.K, c.x.device
@@ -147,7 +152,7 @@ def _block_terms(c: _Chain, target: Processed, p_x: Tensor) -> tuple[Tensor, Ten
     return a, p, w, h
 
 
-def _expected(c: _Chain, target: Processed | None, n: Tensor) -> Tensor:
+def _expected(c: ChainInputs, target: Processed | None, n: Tensor) -> Tensor:
     """:attr:`ChainResult.expected_accepted` given the drafts (``n``: the accepted counts, for greedy)."""
     if c.method == "greedy":
         return n.float()
@@ -167,7 +172,14 @@ def _block_expected(h: Tensor) -> Tensor:
     return (p_tau * torch.arange(h.shape[1], device=h.device)).sum(1)
 
 
-def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rng, op: str,
+def verify_greedy(c: ChainInputs, draws: Tensor) -> ChainResult:
+    """Greedy verification given the target's choices ``draws`` (int64 ``[B, K+1]``): the drafts equal to
+    them, up to the first that is not, then the choice there."""
+    n = _leading_run((draws[:, :c.K] == c.x) & c.usable)
+    return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: n.float())
+
+
+def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | None, rng, op: str,
             draw: Callable[[int, int], Tensor] | None = None) -> ChainResult:
     """Run method ``c.method`` on the target distributions (rows ``b * (K+1) + i``). ``draw(stream,
     count)``: the uniforms ``[B, count]`` of a stream (default: drawn from ``rng``)."""
@@ -176,8 +188,7 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
     draw = draw or (lambda stream, count: uniform(rng, op, B, count, stream, dev))
     u_draw = draw(STREAM_SAMPLE, K + 1)
     if c.method == "greedy":
-        n = _leading_run((greedy_draws[:, :K] == c.x) & c.usable)
-        return _result(c, n, greedy_draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, None, n))
+        return verify_greedy(c, greedy_draws)
     p_x = _p_x(c, target)
     if c.method == "target_only":
         draws = target.sample(u_draw.view(-1)).view(B, K + 1)
@@ -213,7 +224,7 @@ def _verify(c: _Chain, target: Processed | None, greedy_draws: Tensor | None, rn
     return _result(c, tau, y, lambda: _block_expected(h))
 
 
-def _verify_kernel(c: _Chain, target_probs: Tensor, rng, op: str) -> ChainResult:
+def _verify_kernel(c: ChainInputs, target_probs: Tensor, rng, op: str) -> ChainResult:
     """:func:`verify_chain` by its Triton kernel (the same draws as :func:`_verify`)."""
     from ..kernels import ops
 
@@ -229,7 +240,8 @@ def _verify_kernel(c: _Chain, target_probs: Tensor, rng, op: str) -> ChainResult
     return ChainResult(tokens, n, expected)
 
 
-def _verify_from_logits_kernel(c: _Chain, logits: Tensor, params, vocab_mask, full: bool, rng, op: str) -> ChainResult:
+def _verify_from_logits_kernel(c: ChainInputs, logits: Tensor, params, vocab_mask, full: bool, rng,
+                               op: str) -> ChainResult:
     """:func:`verify_chain_from_logits` by its Triton kernel (the same draws as the reference)."""
     from ..kernels import ops
 
@@ -249,7 +261,7 @@ def _verify_from_logits_kernel(c: _Chain, logits: Tensor, params, vocab_mask, fu
     return ChainResult(tokens, n, expected)
 
 
-def _result(c: _Chain, n: Tensor, y: Tensor, expected: Callable[[], Tensor]) -> ChainResult:
+def _result(c: ChainInputs, n: Tensor, y: Tensor, expected: Callable[[], Tensor]) -> ChainResult:
     pos = torch.arange(c.K + 1, device=n.device)
     drafts = torch.nn.functional.pad(c.x_raw, (0, 1), value=-1)
     tokens = torch.where(pos < n[:, None], drafts, torch.where(pos == n[:, None], y[:, None], -1))
@@ -376,7 +388,7 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     (:func:`_verify_one_token`). The same tokens as the public op.
     """
     B, K1, V = logits.shape
-    c = _Chain(B, K1 - 1, V, method, drafts, drafts, usable, num_drafts, draft_probs)
+    c = ChainInputs(B, K1 - 1, V, method, drafts, drafts, usable, num_drafts, draft_probs)
     op = "speculative_generate"
     if use_triton(logits.device):
         return _verify_from_logits_kernel(c, logits, params, None, False, rng, op)
@@ -389,7 +401,7 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     return _verify(c, target, None, rng, op, draw)
 
 
-def _verify_one_token(c: _Chain, target: Processed, draw: Callable[[int, int], Tensor]) -> ChainResult:
+def _verify_one_token(c: ChainInputs, target: Processed, draw: Callable[[int, int], Tensor]) -> ChainResult:
     """Token verification of one request by its plain loop (:mod:`.reference`, tested equal to
     :func:`_verify`): a few single-value operations per draft instead of the batched ones."""
     from . import reference
