@@ -49,7 +49,8 @@ def test_top_p_keeps_the_smallest_prefix_that_reaches_p(top_p, kept):
 
 def test_top_p_breaks_ties_by_the_lower_id():
     probs = torch.tensor([[0.2, 0.2, 0.4, 0.2]])
-    assert (ss.top_p_renorm(probs, 0.6)[0] > 0).nonzero()[:, 0].tolist() == [0, 2]
+    # 0.55, not 0.6: float32 0.6 lies above 0.6 and 0.4 + 0.2 below it, so exact masses keep a third token
+    assert (ss.top_p_renorm(probs, 0.55)[0] > 0).nonzero()[:, 0].tolist() == [0, 2]
     assert (ss.top_p_renorm(probs, 0.7)[0] > 0).nonzero()[:, 0].tolist() == [0, 1, 2]
 
 
@@ -369,36 +370,34 @@ def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
 
     # equal weights within one bin: the cut must keep the lowest positions
     w = torch.tensor([[1.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.25]])
-    kept = cut_to_mass(w, torch.tensor([1.925]))  # 1, 0.5, then 0.25 x2
+    def mass(x):
+        return torch.tensor([int(x * 2**40)])
+
+    kept = cut_to_mass(w, mass(1.925))  # exact masses: 1, 0.5, then 0.25 x2
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 1, 2, 5]
     assert w.gt(0).all()  # a new result: w only read
     inplace = w.clone()
-    assert cut_to_mass(inplace, torch.tensor([1.925]), out=inplace) is inplace and torch.equal(inplace, kept)
-    kept = cut_to_mass(w, torch.tensor([2.75]))
+    assert cut_to_mass(inplace, mass(1.925), out=inplace) is inplace and torch.equal(inplace, kept)
+    kept = cut_to_mass(w, mass(2.75))
     assert torch.equal(kept, w)
-    kept = cut_to_mass(w, torch.tensor([3.0]))  # never reached: everything kept
+    kept = cut_to_mass(w, mass(3.0))  # never reached: everything kept
     assert torch.equal(kept, w)
     # weights of one bin that differ in their low bits are ordered by weight first
     w = torch.tensor([[0.30000001, 0.3, 0.30000004, 0.1]])
-    kept = cut_to_mass(w, torch.tensor([0.4]))  # 0.30000004 then 0.30000001
+    kept = cut_to_mass(w, mass(0.4))  # 0.30000004 then 0.30000001
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
 
 
 def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor) -> None:
-    """``kept`` keeps, unchanged, a prefix of each row's (weight desc, position asc) order; its
-    length is the naive float64 one wherever the target is not within rounding of a prefix sum."""
+    """``kept`` keeps, unchanged, exactly the smallest prefix of each row's (weight desc, position asc) order
+    whose exact mass (Python integers of ``floor(w * 2**40)``) reaches ``target`` (all of it if none does)."""
     assert torch.equal(torch.where(kept > 0, w, 0.0), kept)
-    for row, t, k in zip(w.double(), target.double(), kept):
-        order = sorted(range(len(row)), key=lambda i: (-row[i].item(), i))
-        flags = [bool(k[i] > 0) for i in order]
-        m = sum(flags)
-        assert flags == [True] * m + [False] * (len(flags) - m), "not a prefix of the order"
-        cum = row[order].cumsum(0)
-        naive = int((cum < t).sum()) + 1 if bool((cum >= t).any()) else len(row)
-        naive = min(naive, int((row > 0).sum()) or naive)  # zero weights never needed
-        tol = 1e-5 * float(cum[-1]) + 1e-30
-        if bool(((cum - t).abs() > tol).all()):  # no prefix sum within rounding of the target
-            assert m == naive or (m > naive and bool((row[order][naive:m] == 0).all()))
+    for row, t, k in zip(w.tolist(), target.tolist(), kept):
+        order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+        mass = [int(row[i] * 2**40) for i in order]
+        before = [sum(mass[:j]) for j in range(len(mass))]
+        expected = [bool(row[i] > 0) and before[j] < t for j, i in enumerate(order)]
+        assert [bool(k[i] > 0) for i in order] == expected
 
 
 @settings(max_examples=120, deadline=None)
@@ -414,7 +413,8 @@ def test_radix_cut_keeps_the_smallest_prefix_reaching_the_target(rows, fractions
 
     C = max(len(r) for r in rows)
     w = torch.tensor([r + [0.0] * (C - len(r)) for r in rows], dtype=torch.float32)
-    target = w.sum(-1) * torch.tensor(fractions[: len(rows)], dtype=torch.float32)
+    total = (w.double() * 2**40).floor().sum(-1)
+    target = (total * torch.tensor(fractions[: len(rows)], dtype=torch.float64)).long()
     _assert_cut(w, target, cut_to_mass(w, target))
 
 
@@ -425,13 +425,13 @@ def test_radix_cut_splits_a_crowded_crossing_bin(case):
     from specsampler.sampling.processing import cut_to_mass
 
     g = torch.Generator().manual_seed(0)
-    if case == "one bin":  # 5000 weights in [1, 1.01): one bin of the first digit
-        w = 1 + torch.rand(3, 5000, generator=g) / 100
-        target = w.sum(-1) * torch.tensor([0.3, 0.5, 0.999])
+    if case == "one bin":  # 5000 weights in [0.99, 1): one bin of the first digit
+        w = 0.99 + torch.rand(3, 5000, generator=g) / 100
+        target = ((w.double() * 2**40).floor().sum(-1) * torch.tensor([0.3, 0.5, 0.999], dtype=torch.float64)).long()
     else:  # 1.0, then tokens 33 to 35 octaves below whose mass the target needs
         w = torch.exp2(-33 - 2 * torch.rand(3, 5000, generator=g))
         w[:, 17] = 1.0
-        target = torch.full((3,), 1.0 + 2.0 ** -23)
+        target = torch.full((3,), 2**40 + 2**17)
     kept = cut_to_mass(w, target)
     _assert_cut(w, target, kept)
     assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()

@@ -5,7 +5,7 @@ One kernel serves :func:`specsampler.verify.chain.verify_chain` (target rows are
 parameters on the way, through its descriptor, :mod:`specsampler.kernels.describe`); each method's walk is a helper
 that reads beside its branch of the reference's ``_verify``, and reads no row past the position where its request
 stops. Small batches on a GPU first describe every row in a row-parallel kernel (``DESCRIBED``). Draws are by
-inversion as :func:`specsampler.sampling.distributions.sample_by_inversion`, sums taken block by block in float32 (a
+inversion as :func:`specsampler.sampling.masses.sample_by_inversion`, sums taken block by block in float32 (a
 token can differ from the reference's only where rounding decides), without fused multiply-add.
 """
 

@@ -5,7 +5,7 @@ The rules are those of :func:`specsampler.sampling.processing.process` (the refe
 a row's descriptor (a few scalars, and the kept tokens in registers when they are few) without sorting the
 vocabulary, reading the row once in the common cases (:mod:`.rows` for pass 1, :mod:`.cut` for the end of the
 top-k / top-p prefix); :func:`draw` draws from it by inversion, as
-:func:`specsampler.sampling.distributions.sample_by_inversion` draws from the reference's probabilities.
+:func:`specsampler.sampling.masses.sample_by_inversion` draws from the reference's probabilities.
 """
 
 from __future__ import annotations

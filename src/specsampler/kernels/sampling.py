@@ -182,7 +182,7 @@ def _sample_kernel(
     NCH_P2: tl.constexpr,
 ):
     """One program per row: a draw by inversion from the weights (reference
-    :func:`specsampler.sampling.distributions.sample_by_inversion`), a pass for the chunk masses, then one chunk."""
+    :func:`specsampler.sampling.masses.sample_by_inversion`), a pass for the chunk masses, then one chunk."""
     row = tl.program_id(0).to(tl.int64)
     probs_row = probs_ptr + row * probs_stride
     fscratch_row = fscratch_ptr + row * (3 * NCH_P2)

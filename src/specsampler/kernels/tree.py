@@ -6,7 +6,7 @@ of logits is processed when the walk first needs it, through its descriptor, :mo
 walk reads only the rows it visits. Rows that change (residuals, ``Mb``, ``Ms``) live unnormalised in a per-request
 scratch buffer with their divisor kept aside (``w / divisor`` is the reference's normalised row, the same float32
 division); a residual without mass leaves its row as it was. Draws are by inversion as
-:func:`specsampler.sampling.distributions.sample_by_inversion`, sums taken block by block in float32 (a result can
+:func:`specsampler.sampling.masses.sample_by_inversion`, sums taken block by block in float32 (a result can
 differ from the reference's only where rounding decides), without fused multiply-add. Randomness: the acceptance
 test of node c is ``STREAM_ACCEPT`` index c, the draw at node v ``STREAM_SAMPLE`` index v (:mod:`specsampler.rng`).
 """

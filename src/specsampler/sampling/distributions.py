@@ -1,7 +1,7 @@
 """Processed distributions held compactly (:class:`Processed`, in :class:`Part` s: candidate tokens in id
-order, or dense rows), their probabilities and most likely tokens, and categorical draws by inversion:
-the token is the first id, in id order, whose cumulative probability exceeds ``u * total``
-(docs/design.md, "Randomness: Philox streams and counters")."""
+order, or dense rows), their probabilities and most likely tokens, and categorical draws by inversion over
+exact masses (:mod:`.masses`): the token is the first id, in id order, whose cumulative mass exceeds
+``floor(u * Z)`` (docs/design.md, "Randomness: Philox streams and counters")."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .rounding import in_vector_body, padded_row_sum
+from .masses import sample_by_inversion
+from .rounding import in_vector_body
 from .topk import ordered_prefix
-
-_INVERSION_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 
 
 @dataclass(frozen=True)
@@ -123,35 +122,6 @@ class Processed:
     def top(self, n: int) -> tuple[Tensor, Tensor]:
         """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
         return self._per_row(lambda part: part.top(n))
-
-
-def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
-    """Index of the first column whose cumulative weight exceeds ``u * total``, per row.
-
-    weights: float32 ``[R, C]`` (need not be normalised); u: float32 ``[R]`` in [0, 1).
-    Returns int64 ``[R]`` in ``[0, C)``; never an index of zero weight when the row has mass.
-    Wide rows are inverted in two steps: over the sums of chunks of 256 columns, then within
-    the chunk found (the same draw but for float rounding at a chunk boundary).
-    """
-    R, C = weights.shape
-    if C < 4 * _INVERSION_CHUNK or C % _INVERSION_CHUNK or not weights.is_contiguous():
-        return _invert(weights.cumsum(-1), u[:, None] * padded_row_sum(weights, keepdim=True).clamp(min=0))[:, 0]
-    chunks = weights.view(R, C // _INVERSION_CHUNK, _INVERSION_CHUNK)
-    csum = chunks.sum(-1).cumsum(-1)
-    t = u[:, None] * csum[:, -1:]
-    c = _invert(csum, t)
-    before = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)), 0.0)
-    inner = chunks[torch.arange(R, device=weights.device), c[:, 0]]
-    return (c * _INVERSION_CHUNK + _invert(inner.cumsum(-1), t - before))[:, 0]
-
-
-def _invert(cum: Tensor, t: Tensor) -> Tensor:
-    """``[R, 1]``: the first column of the row-wise cumulative sums ``cum`` ``[R, C]`` exceeding
-    ``t`` ``[R, 1]``, but not past the last column that adds mass."""
-    total = cum[:, -1:].contiguous()
-    idx = torch.searchsorted(cum, t.contiguous(), right=True)
-    last = torch.searchsorted(cum, total, right=False)
-    return torch.minimum(idx, last).clamp_(0, cum.shape[1] - 1)
 
 
 def _take(t: Tensor, rows: Tensor | None) -> Tensor:

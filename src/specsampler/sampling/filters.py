@@ -14,7 +14,8 @@ from torch import Tensor
 from ..params import RowParams
 from .distributions import Part, _take
 from .greedy import nan_as_minus_inf
-from .rounding import _VECTOR_BODY, in_vector_body, padded_row_sum
+from .masses import as_weight, masses, row_mass, top_p_target
+from .rounding import _VECTOR_BODY, in_vector_body
 from .scratch import SCRATCH
 from .topk import ordered_prefix
 
@@ -40,14 +41,16 @@ def _within(outer: Tensor | None, inner: Tensor | None) -> Tensor | None:
 
 def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, shared: bool = False,
              scratch: str | None = None) -> Tensor:
-    """Unnormalised probabilities: ``exp((x - top) / T)`` for logits, else x (negative or NaN
-    probabilities count as 0); a new tensor, or in the named scratch buffer.
+    """Unnormalised probabilities, at most 1: ``exp((x - top) / T)`` for logits, else x (negative or NaN
+    probabilities count as 0) times the power of two that brings the row's largest into [0.5, 1) (exact: the
+    masses of :mod:`.masses` need weights in [0, 1]); a new tensor, or in the named scratch buffer.
 
-    From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32):
-    one multiply-add and a base-2 exponential, which costs half of ``exp`` on CPU. The
-    exponential runs over whole iterations of ATen's vectorised loop (the values rounded up
-    to a multiple of 64, see :func:`in_vector_body`), so that a row's values round the same
-    whatever rows come before it.
+    From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32): a
+    multiply and a subtraction (not fused: ATen fuses them in its vectorised loop only, so a
+    value's rounding would depend on its place in the tensor, which differs on a shard) and a
+    base-2 exponential, which costs half of ``exp`` on CPU. The exponential runs over whole
+    iterations of ATen's vectorised loop (the values rounded up to a multiple of 64, see
+    :func:`in_vector_body`), so that a row's values round the same whatever rows come before it.
     top: float32 ``[r, 1]``, the row maximum; a row whose maximum is not finite has no mass.
     temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply-add,
     faster, with the same arithmetic).
@@ -58,39 +61,51 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
                                                                                      vals.device)
     w = buf[:n].view(vals.shape)
     if not logits:
-        return torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
+        w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
+        return torch.ldexp(w, -torch.frexp(w.amax(-1, keepdim=True)).exponent, out=w) if w.numel() else w
     finite = torch.isfinite(top)
     top = torch.where(finite, top, 0.0)
     c = torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
-    if shared and c.numel():
-        torch.add(-top * c, vals, alpha=float(c[0]), out=w)
-    else:
-        torch.addcmul(-top * c, vals, c, out=w)
-    buf.exp2_()  # with the few values past n: whatever they are, they are not read
-    # from |top * c| >= 2**24 the multiply-add's offset rounds by more than a unit (1e10 gave a row of zeros,
-    # 1e15 NaN): such rows subtract first, exactly as the kernels do
+    torch.mul(vals, float(c[0]) if shared and c.numel() else c, out=w).sub_(top * c)
+    # at most 1 (the masses need it: x * c - top * c may round above 0); the few values past n are not read
+    buf.exp2_().clamp_(max=1.0)
+    # from |top * c| >= 2**24 the products round by more than a unit (1e10 gave a row of zeros, 1e15 NaN): such
+    # rows subtract first, exactly as the kernels do
     far = (top * c).abs()[:, 0] >= _FAR
     if bool(far.any()):
-        w[far] = torch.exp2((vals[far] - top[far]) * c[far])
+        w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
     if not bool(finite.all()):
         w.masked_fill_(~finite, 0.0)
     return w
 
 
 def _normalise_(w: Tensor) -> Tensor:
-    """Divide each row by its sum, in place (rows without mass stay 0)."""
-    return w.div_(padded_row_sum(w, keepdim=True).clamp_(min=_TINY))
+    """Divide each row (weights in [0, 1]) by its exact sum (:mod:`.masses`), in place; rows without mass
+    become 0."""
+    mass = row_mass(w, keepdim=True)
+    return w.div_(torch.where(mass > 0, as_weight(mass), float("inf")))
 
 
-def _cut_candidates(w: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
-    """top-p (against the mass ``z``, default the candidates' own) and min-p on ordered candidates.
+def prefix_keep(w: Tensor, ids: Tensor, target: Tensor) -> Tensor:
+    """bool ``[r, C]``: the candidates in the smallest prefix of the (weight desc, id asc) order whose exact
+    mass reaches ``target`` int64 ``[r]``: those with less than ``target`` before them.
 
-    w: float32 ``[r, C]`` in (logit desc, id asc) order. Returns the kept weights.
+    w: float32 ``[r, C]`` weights in [0, 1]; ids: int64 ``[r, C]``, distinct in a row (any order)."""
+    by_id = ids.argsort(dim=-1)
+    order = by_id.gather(1, torch.sort(w.gather(1, by_id), dim=-1, descending=True, stable=True).indices)
+    m = masses(w.gather(1, order))
+    keep = (m.cumsum(-1) - m) < target[:, None]
+    return torch.empty_like(keep).scatter_(1, order, keep)
+
+
+def _cut_candidates(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
+    """top-p (against the mass ``z`` int64 ``[r]``, default the candidates' own) and min-p on candidates.
+
+    w: float32 ``[r, C]`` in (logit desc, id asc) order (the first the largest), ids: their ids. Returns the
+    kept weights.
     """
-    cum = w.cumsum(-1)
-    z = cum[:, -1] if z is None else z
-    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass strictly before each candidate
-    keep = (rp.top_p >= 1)[:, None] | (before < rp.top_p[:, None] * z[:, None])
+    z = row_mass(w) if z is None else z
+    keep = (rp.top_p >= 1)[:, None] | prefix_keep(w, ids, top_p_target(rp.top_p, z))
     keep &= w >= rp.min_p[:, None] * w[:, :1]
     return torch.where(keep, w, 0.0)
 
@@ -125,7 +140,7 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
     w = _candidate_weights(vals, torch.where(greedy, 1.0, rp.temperature), logits)
     w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
-    return _part_in_id_order(rows, ids, _cut_candidates(w, rp))
+    return _part_in_id_order(rows, ids, _cut_candidates(w, ids, rp))
 
 
 def _plain_part(rows, x, rp, logits) -> Part:

@@ -23,7 +23,7 @@ from .filters import (
     _weights,
     _within,
 )
-from .rounding import padded_row_sum, row_sum
+from .masses import as_weight, masses, row_mass, top_p_target
 from .scratch import SCRATCH
 from .topk import _by_row, _chunk_len, _positions, ordered_prefix
 
@@ -48,7 +48,7 @@ def _nucleus_parts(rows, x, rp, logits) -> list[Part]:
     if V <= _ORDER_WHOLE:  # the whole row is the candidate set
         vals, ids = ordered_prefix(x, V)
         w = _candidate_weights(vals, rp.temperature, logits)
-        return [_part_in_id_order(rows, ids, _cut_candidates(w, rp))]
+        return [_part_in_id_order(rows, ids, _cut_candidates(w, ids, rp))]
     if r <= _BLOCK:
         return _nucleus_block(rows, x, rp, logits)
     parts = []
@@ -68,17 +68,20 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
     top, best = _max(x, chunk_max)
-    # unnormalised weights (the most likely token's about 1), in a scratch buffer; z: each row's mass
+    # unnormalised weights (the most likely token's 1), in a scratch buffer; z: each row's exact mass, target:
+    # the mass the nucleus reaches (int64, :mod:`.masses`)
     w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None, scratch="weights")
-    z = row_sum(w)
-    target = rp.top_p * z
+    z = row_mass(w)
+    target = top_p_target(rp.top_p, z)
     parts = []
     w_max = w.gather(1, best[:, None])
-    done = w_max[:, 0] >= target  # a token that alone reaches top-p is the nucleus
+    # the first token of the (weight desc, id asc) order: the lowest id of the largest weight
+    best = (w == w_max).to(torch.uint8).argmax(-1)
+    done = masses(w_max[:, 0]) >= target  # a token that alone reaches top-p is the nucleus
     n_done = int(done.sum())
     if n_done:
         sub = None if n_done == r else done.nonzero()[:, 0]
-        mass = _take(z, sub).sign()[:, None]  # 1, or 0 for a row without mass (no finite logit)
+        mass = _take(z, sub).sign().float()[:, None]  # 1, or 0 for a row without mass (no finite logit)
         parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], mass))
         if sub is None:
             return parts
@@ -94,10 +97,10 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
         vals, head = ordered_prefix(_take(x, sub), SMALL_NUCLEUS, _take(chunk_max, sub) if chunk_max is not None
                                     else None)
         head_w = _take(w, sub).gather(1, head)
-        found = head_w.sum(-1) >= _take(target, sub)
+        found = row_mass(head_w) >= _take(target, sub)
         if bool(found.any()):
             got = _rows_where(found)
-            kept = _cut_candidates(_take(head_w, got), _take_params(_take_params(rp, sub), got),
+            kept = _cut_candidates(_take(head_w, got), _take(head, got), _take_params(_take_params(rp, sub), got),
                                    _take(_take(z, sub), got))
             parts.append(_part_in_id_order(_within(rows, _within(sub, got)), _take(head, got), kept))
             done = done.clone()
@@ -126,8 +129,9 @@ def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
 
 
 def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
-    """Per-row sums of ``values`` by key: ``[r, n]`` int32 keys -> float32 ``[r, num_keys]``."""
-    return torch.zeros(keys.shape[0], num_keys, device=keys.device).scatter_add_(1, keys.long(), values)
+    """Per-row sums of ``values`` (float32 or int64 masses) by key: ``[r, n]`` int32 keys -> ``[r, num_keys]``."""
+    return torch.zeros(keys.shape[0], num_keys, dtype=values.dtype, device=keys.device).scatter_add_(
+        1, keys.long(), values)
 
 
 def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
@@ -143,11 +147,12 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
     the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most V/16),
     so that compaction stays cheap while keeping a wide margin for the estimate's error.
 
-    w: float32 ``[r, V]``; w_max: ``[r, 1]``, its row maxima; target, z: ``[r]``, the mass to
-    reach and the row's mass; chunk_max: ``[r, V / L]``, the chunk maxima of the logits, or None.
+    w: float32 ``[r, V]``; w_max: ``[r, 1]``, its row maxima; target, z: int64 ``[r]``, the mass to
+    reach and the row's mass (:mod:`.masses`); chunk_max: ``[r, V / L]``, the chunk maxima of the logits, or None.
     Returns lb float32 ``[r]``, likely bool ``[r]``, n float32 ``[r]``.
     """
     r, V = w.shape
+    target, z = as_weight(target), as_weight(z)  # an estimate: in float32
     head = torch.zeros(r, 0, device=w.device)
     if chunk_max is not None and chunk_max.shape[1] > 4 * (SMALL_NUCLEUS + 1):
         # whole chunks: the head's and every stride-th one (contiguous reads), the head counted once
@@ -188,14 +193,14 @@ def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tenso
     lowest weight bounds its token count: rows with few tokens down to the crossing bin (up
     to a sixteenth of the row) are compacted (candidates in id order), the others cut densely.
 
-    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: ``[r]``;
+    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: int64 ``[r]``;
     w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
     """
     r, V = w.shape
     digit, crossing, above, hist, base = _first_digit(w, target)
     bins = torch.arange(_RADIX_KEYS, dtype=torch.int32, device=w.device)
     lowest = ((base + bins) << _RADIX_SHIFT).clamp_(min=0).view(torch.float32)  # each bin's lowest weight
-    count = torch.where(hist > 0, hist / lowest, 0.0)  # at least each bin's tokens
+    count = torch.where(hist > 0, as_weight(hist) / lowest, 0.0)  # at least each bin's tokens
     n = count.flip(-1).cumsum(-1).gather(1, (_RADIX_KEYS - 1 - crossing.clamp(min=0)).long())[:, 0]  # bins >= it
     few = (crossing[:, 0] >= 1) & (n <= V // 16)  # bin 0 has no lowest weight: rows crossing in it are cut densely
     parts = []
@@ -226,7 +231,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     the nucleus is among them; rows whose tokens above ``lb`` are not ``likely`` to reach the
     target, or do not, are cut densely instead.
 
-    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb, target: ``[r]``; likely:
+    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb: ``[r]``; target: int64 ``[r]``; likely:
     bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
     """
     r, V = w.shape
@@ -235,7 +240,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     if bool(compact.any()):
         flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
         _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
-        compact &= padded_row_sum(cand) >= target  # rows short of it drop out
+        compact &= row_mass(cand) >= target  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)
@@ -257,20 +262,20 @@ def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
     k = mass.shape[1]
     from_top = mass.flip(-1).cumsum(-1)  # the mass of the j + 1 heaviest buckets
     j = torch.searchsorted(from_top, (target - above)[:, None], side="left")  # the first reaching it
-    above += torch.where(j > 0, from_top.gather(1, (j - 1).clamp_(min=0)), 0.0)[:, 0]
+    above += torch.where(j > 0, from_top.gather(1, (j - 1).clamp_(min=0)), 0)[:, 0]
     return (k - 1) - j[:, 0]
 
 
 def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
-    position asc) order whose mass reaches ``target`` (all of them kept if none does).
+    position asc) order whose exact mass (:mod:`.masses`) reaches ``target`` (all of them kept if none does).
 
     A radix select on the weights' float32 bit patterns (monotone in the weight): the first
     digit (:func:`_first_digit`) finds the bin where each row's prefix mass crosses the
     target; tokens above it are kept, below dropped, and the crossing bin's tokens are
     settled by :func:`_settle`.
 
-    w: float32 ``[r, C]``, >= 0. target: float32 ``[r]``, absolute mass. out: where to write
+    w: float32 ``[r, C]`` in [0, 1]. target: int64 ``[r]``, absolute mass. out: where to write
     the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
     """
     digit, crossing, above, _, _ = _first_digit(w, target)
@@ -283,14 +288,14 @@ def _first_digit(w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Ten
     it and the lowest bin (0) holding everything further below; a histogram of mass by bin
     gives the bin where the prefix mass crosses the target.
 
-    w: float32 ``[r, C]``, >= 0; target: ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
-    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it ``[r]``, the
-    histogram float32 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
+    w: float32 ``[r, C]`` in [0, 1]; target: int64 ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
+    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it int64 ``[r]``, the
+    histogram of masses int64 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
     """
     base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
     digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
-    hist = _histogram(digit, w, _RADIX_KEYS)
-    above = torch.zeros(w.shape[0], device=w.device)
+    hist = _histogram(digit, masses(w), _RADIX_KEYS)
+    above = torch.zeros(w.shape[0], dtype=torch.int64, device=w.device)
     crossing = _cross(hist, above, target).to(torch.int32)[:, None]
     return digit, crossing, above, hist, base
 
@@ -313,7 +318,7 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
     share), and the few left are ordered by a sort.
 
     w: float32 ``[r, C]``; b, col: int64 ``[n]``, row-major; crossing: int32 ``[r, 1]``;
-    above: ``[r]``, the mass of the tokens above the bin (updated); target: ``[r]``.
+    above: int64 ``[r]``, the mass of the tokens above the bin (updated); target: int64 ``[r]``.
     """
     r = w.shape[0]
     # the bits the pending tokens of each row share: those above bit 17, but none in bin 0
@@ -322,7 +327,8 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
         v = w[b, col]
         shift = (shared - 11).clamp_(min=0)
         digit = (v.view(torch.int32) >> shift[b]) & (_RADIX_KEYS - 1)
-        mass = torch.zeros(r * _RADIX_KEYS, device=w.device).index_add_(0, b * _RADIX_KEYS + digit, v)
+        mass = torch.zeros(r * _RADIX_KEYS, dtype=torch.int64, device=w.device).index_add_(
+            0, b * _RADIX_KEYS + digit, masses(v))
         crossing = _cross(mass.view(r, _RADIX_KEYS), above, target)
         below = digit < crossing[b]
         w[b[below], col[below]] = 0.0
@@ -334,7 +340,7 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
     b, col = b[order], col[order]
     b, order = b.sort(stable=True)
     col, v = col[order], v[order]
-    at, grid = _by_row(b, r, v)
+    at, grid = _by_row(b, r, masses(v))
     before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0)).view(-1)[at]
     drop = above[b] + before >= target[b]
     w[b[drop], col[drop]] = 0.0

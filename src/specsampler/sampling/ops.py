@@ -26,8 +26,9 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR
-from .processing import Processed, in_vector_body, padded_row_sum, process, sample_by_inversion
+from .filters import _FAR, _normalise_, _weights, prefix_keep
+from .masses import row_mass, top_p_target
+from .processing import Processed, in_vector_body, process, sample_by_inversion
 
 
 class SampleOutput(NamedTuple):
@@ -185,7 +186,8 @@ def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, valida
         seed, offset, index, u = _row_randomness(rng, op, B, M, probs.device)
         return ops.sample(probs.reshape(-1, V), seed, offset, index, u).reshape(probs.shape[:-1])
     u = uniform(rng, op, B, M, STREAM_SAMPLE, probs.device).reshape(-1)
-    return sample_by_inversion(probs.reshape(-1, V).float(), u).reshape(probs.shape[:-1])
+    weights = _weights(probs.reshape(-1, V).float(), None, None, False)  # at most 1: as the masses need
+    return sample_by_inversion(weights, u).reshape(probs.shape[:-1])
 
 
 def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
@@ -259,14 +261,14 @@ _SMALL_V = 1024  # process() orders top-p rows this short whole, and so does _pr
 
 def _small_constants(rp: RowParams, V: int) -> tuple[Tensor, ...] | None:
     """The per-row constants :func:`_process_small` takes for rows ``rp`` over ``V`` tokens
-    (``log2(e) / T`` and its negative ``[R, 1]``, top-p ``[R, 1]``, a zero), or None where it does not
+    (``log2(e) / T`` ``[R, 1]``, top-p ``[R, 1]``, a zero), or None where it does not
     apply: rows not sharing scalar parameters, top-k, greedy, no top-p, min-p, or V not a
     multiple of 64 up to 1024."""
     s = rp.shared
     if s is None or V > _SMALL_V or V % 64 or s.temperature == 0 or 0 < s.top_k < V or s.top_p >= 1 or s.min_p:
         return None
     c = torch.full_like(rp.temperature, _LOG2E).div_(rp.temperature)[:, None]
-    return c, -c, rp.top_p[:, None], torch.zeros((), device=c.device)
+    return c, rp.top_p[:, None], torch.zeros((), device=c.device)
 
 
 def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None:
@@ -274,22 +276,17 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
 
     x: float32 ``[R, V]``; constants: :func:`_small_constants`. The same arithmetic as
     :func:`process` takes for such rows (the whole row ordered by a stable sort, ``exp2`` of
-    ``x * c - top * c`` by ``addcmul``, the top-p cut on the cumulative sums, the normalisation by
-    :func:`padded_row_sum`), so the same numbers; returned dense, which samples and reads as the
-    candidates in id order do. None where a row's largest logit is not finite or ``|top * c| >= 2**24``
-    (use :func:`process`).
+    ``x * c - top * c``, the top-p cut and the normalisation on exact masses), so the same numbers;
+    returned dense, which samples and reads as the candidates in id order do. None where a row's largest
+    logit is not finite or ``|top * c| >= 2**24`` (use :func:`process`).
     """
-    c, neg_c, top_p, zero = constants
+    c, top_p, zero = constants
     vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
     top = vals[:, :1]
     if not all(map(math.isfinite, top.view(-1).tolist())) or bool(((top * c).abs() >= _FAR).any()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
-    w = torch.addcmul(top * neg_c, vals, c).exp2_()  # top * -c: bit for bit process()'s -top * c
-    cum = w.cumsum(-1)
-    kept = torch.where(torch.nn.functional.pad(cum[:, :-1], (1, 0)) < top_p * cum[:, -1:], w, zero)
-    # one block of 256 is padded_row_sum's plain sum
-    total = kept.sum(-1, keepdim=True) if kept.shape[1] == 256 else padded_row_sum(kept, keepdim=True)
-    kept.div_(total.clamp_(min=torch.finfo(torch.float32).tiny))
+    w = torch.mul(vals, c).sub_(top * c).exp2_().clamp_(max=1.0)  # bit for bit process()'s arithmetic
+    kept = _normalise_(torch.where(prefix_keep(w, order, top_p_target(top_p[:, 0], row_mass(w))), w, zero))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 

@@ -20,8 +20,10 @@ from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from ..sampling.greedy import greedy_ids
+from ..sampling.masses import as_weight
 from ..sampling.ops import _process_prepared, logit_inputs, logit_rows
-from ..sampling.processing import Processed, process, row_sum, sample_by_inversion
+from ..sampling.processing import Processed, process
+from ..sampling.vocab import Vocab
 from ..validation import (
     check_device,
     check_logits_values,
@@ -70,7 +72,8 @@ class ChainResult:
 @dataclass(frozen=True)
 class ChainInputs:
     """Validated inputs. x: int64 ``[B, K]`` clamped into ``[0, V)``; usable: the drafts that
-    may be accepted (in range and before ``num_drafts``); q: float32 ``[B, K, V]`` or None."""
+    may be accepted (in range and before ``num_drafts``); q: float32 ``[B, K, vocab.width]`` or None;
+    columns: the columns the rows hold (None: the whole vocabulary)."""
 
     B: int
     K: int
@@ -81,6 +84,15 @@ class ChainInputs:
     usable: Tensor
     num_drafts: Tensor
     q: Tensor | None
+    columns: Vocab | None = None
+
+    @property
+    def vocab(self) -> Vocab:
+        return self.columns or Vocab(self.V)
+
+    def q_x(self) -> Tensor:
+        """float32 ``[B, K]``: each draft's draft probability."""
+        return self.vocab.value(self.q.flatten(0, 1), self.x.reshape(-1)).view(self.B, self.K)
 
 
 def check_num_drafts(op: str, num_drafts: Tensor | None, B: int, K: int, device: torch.device, full: bool) -> Tensor:
@@ -137,13 +149,13 @@ def _block_terms(c: ChainInputs, target: Processed, p_x: Tensor) -> tuple[Tensor
     """Block verification's ``a`` ``[B, K+1]``, dense ``p`` ``[B, K+1, V]``, ``w = max(a p - q, 0)``
     ``[B, K, V]`` and ``h`` ``[B, K+1]`` (0 past ``num_drafts``, ``a`` at it, ``h_0 = 1``)."""
     B, K, dev = c.B, c.K, c.x.device
-    q_x = c.q.gather(2, c.x[..., None])[..., 0]
+    q_x = c.q_x()
     a = torch.ones(B, K + 1, device=dev)
     for i in range(K):
         a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
-    p = target.dense().view(B, K + 1, c.V)
+    p = target.dense().unflatten(0, (B, K + 1))
     w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
-    s = row_sum(w)
+    s = as_weight(c.vocab.mass(w))
     pos = torch.arange(K + 1, device=dev)
     # a_i = 0 (draft x_{i-1} never accepted) keeps h_i = 0 even where bad values (q < 0) give w_i mass
     h = torch.nn.functional.pad(torch.where((s > 0) & (a[:, :K] > 0), s / (s + 1 - a[:, :K]), 0.0), (0, 1))
@@ -160,7 +172,7 @@ def _expected(c: ChainInputs, target: Processed | None, n: Tensor) -> Tensor:
     if c.method == "target_only":
         return torch.where(c.usable, p_x, 0.0).cumprod(1).sum(1)
     if c.method == "token":
-        q_x = c.q.gather(2, c.x[..., None])[..., 0]
+        q_x = c.q_x()
         return torch.where(c.usable, _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
     return _block_expected(_block_terms(c, target, p_x)[3])
 
@@ -194,7 +206,7 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
         draws = target.sample(u_draw.view(-1)).view(B, K + 1)
         n = _leading_run((draws[:, :K] == c.x) & c.usable)
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, target, n))
-    q_x = c.q.gather(2, c.x[..., None])[..., 0]
+    q_x = c.q_x()
     if c.method == "token":
         u = draw(STREAM_ACCEPT, K + 1)[:, 1:]  # draft i is node i+1 of the chain
         n = _leading_run((u * q_x < p_x) & c.usable)
@@ -202,12 +214,12 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
         stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
         if K:
             rejected = n < c.num_drafts
-            q_rows = c.q.reshape(B * K, c.V).index_select(0, batch * K + n.clamp(max=K - 1))
+            q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
             stop.sub_(q_rows.mul_(rejected[:, None])).clamp_(min=0.0)
-            empty = rejected & ~(stop.sum(-1) > 0)
+            empty = rejected & (c.vocab.mass(stop) == 0)
             if bool(empty.any()):  # a residual without mass: draw from p itself
                 stop[empty] = target.select(stop_rows[empty]).dense()
-        y = sample_by_inversion(stop, u_draw.gather(1, n[:, None])[:, 0])
+        y = c.vocab.draw(stop, u_draw.gather(1, n[:, None])[:, 0])
         return _result(c, n, y, lambda: _expected(c, target, n))
     # block
     a, p, w, h = _block_terms(c, target, p_x)
@@ -219,8 +231,8 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     stop = bonus
     if K:
         residual = w[batch, tau.clamp(max=K - 1)]
-        stop = torch.where((tau < c.num_drafts)[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, bonus)
-    y = sample_by_inversion(stop, u_draw.gather(1, tau[:, None])[:, 0])
+        stop = torch.where((tau < c.num_drafts)[:, None] & (c.vocab.mass(residual, keepdim=True) > 0), residual, bonus)
+    y = c.vocab.draw(stop, u_draw.gather(1, tau[:, None])[:, 0])
     return _result(c, tau, y, lambda: _block_expected(h))
 
 

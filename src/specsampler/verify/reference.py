@@ -1,8 +1,9 @@
 """Plain references: one loop per request for each verification method, read beside its formula.
 
-The same Philox draws (counters of :mod:`specsampler.rng`) and the same float32 arithmetic as the
-vectorised walks (:mod:`.chain`, :mod:`.tree`) and the kernels (:mod:`specsampler.kernels.chain`,
-:mod:`specsampler.kernels.tree`), so all three give the same tokens; the tests hold them to it.
+The same Philox draws (counters of :mod:`specsampler.rng`), the same float32 arithmetic and exact masses
+(:mod:`specsampler.sampling.masses`) as the vectorised walks (:mod:`.chain`, :mod:`.tree`), and the kernels'
+draws (:mod:`specsampler.kernels.chain`, :mod:`specsampler.kernels.tree`), so all three give the same tokens;
+the tests hold them to it.
 Slow by design (Python per node): for reading and for tests, not for serving. Inputs from
 probabilities; formulas: ARCHITECTURE.md, "Verification".
 """
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
-from ..sampling.processing import row_sum, sample_by_inversion
+from ..sampling.masses import as_weight, divide_by, normalise, row_mass, sample_by_inversion
 from .token_tree import TokenTree
 
 OP = "reference"
@@ -41,7 +42,7 @@ def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: Tensor, u_draw: Tenso
         if _usable(xi, V) and u_acc[i + 1] * q[i, xi] < p[i, xi]:  # draft i is node i+1
             continue
         residual = (p[i] - q[i]).clamp(min=0.0)
-        return x[:i] + [_draw(residual if residual.sum() > 0 else p[i], u_draw[i])], i
+        return x[:i] + [_draw(residual if row_mass(residual) > 0 else p[i], u_draw[i])], i
     return x + [_draw(p[len(x)], u_draw[len(x)])], len(x)
 
 
@@ -53,14 +54,14 @@ def chain_block(p: Tensor, q: Tensor, x: list[int], eta: Tensor, u_draw: Tensor)
         ok = _usable(xi, V)
         a.append(_ratio(a[i] * p[i, xi], q[i, xi], 0.0) if ok else torch.tensor(0.0))
         w.append((a[i] * p[i] - q[i]).clamp(min=0.0))
-        s = row_sum(w[i][None])[0]
+        s = as_weight(row_mass(w[i]))
         if i > 0:
             h.append(torch.where((s > 0) & (a[i] > 0), s / (s + 1 - a[i]), 0.0))  # a_i = 0 stays unaccepted
     h.append(a[K])
     if K == 0:
         h = h[:1]
     tau = max(i for i in range(K + 1) if i == 0 or eta[i] < h[i])
-    stop = w[tau] if tau < K and w[tau].sum() > 0 else p[tau]
+    stop = w[tau] if tau < K and row_mass(w[tau]) > 0 else p[tau]
     return x[:tau] + [_draw(stop, u_draw[tau])], tau
 
 
@@ -122,13 +123,13 @@ def tree_rrs(p, q, x, kids, u_acc, u_draw, without_replacement: bool) -> tuple[l
                 path.append(c)
                 break
             residual = (r - qc).clamp(min=0.0)
-            mass = row_sum(residual[None])[0]
+            mass = row_mass(residual)
             if mass > 0:
-                r = residual / mass
+                r = divide_by(residual, mass)
             if shared is not None:
                 shared = qc.clone()
                 shared[min(max(x[c], 0), V - 1)] = 0.0
-                shared = shared / row_sum(shared[None])[0].clamp(min=1e-30)
+                shared = normalise(shared)
         else:
             return path, _draw(r, u_draw[v])
 
@@ -164,14 +165,15 @@ def tree_traversal(p, q, x, kids, eta, u_draw, without_replacement: bool) -> tup
         j -= 1
         qq = ms[j] if without_replacement else q[leaf]
         w = (a[j] * mb[j] - qq).clamp(min=0.0)
-        mass = row_sum(w[None])[0]
+        mass = row_mass(w)
         if mass > 0:
-            mb[j] = w / mass
-        a[j] = torch.where((mass > 0) & (a[j] > 0), mass / (mass + 1 - a[j]), 0.0)  # a = 0 stays 0
+            mb[j] = divide_by(w, mass)
+        s = as_weight(mass)
+        a[j] = torch.where((mass > 0) & (a[j] > 0), s / (s + 1 - a[j]), 0.0)  # a = 0 stays 0
         if without_replacement:
             qq = qq.clone()
             qq[xs[leaf]] = 0.0
-            ms[j] = qq / row_sum(qq[None])[0].clamp(min=1e-30)
+            ms[j] = normalise(qq)
         if siblings_left[-1]:
             push(siblings_left[-1].pop(0))
             descend()

@@ -18,14 +18,17 @@ from torch import Tensor
 from ..params import RowParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
 from ..sampling.greedy import greedy_ids
-from ..sampling.processing import SCRATCH, Processed, process, row_sum, sample_by_inversion
+from ..sampling.masses import as_weight, divide_by
+from ..sampling.processing import SCRATCH, Processed, process
+from ..sampling.vocab import Vocab
 from .token_tree import TokenTree
 
 
 @dataclass(frozen=True)
 class TreeInputs:
     """Validated inputs. x: int64 ``[B, N]`` clamped into ``[0, V)``; usable: non-root present
-    nodes whose token is in range (the others are never accepted); q: float32 ``[B, N, V]``."""
+    nodes whose token is in range (the others are never accepted); q: float32 ``[B, N, vocab.width]``;
+    vocab: the columns the rows hold (None: the whole vocabulary)."""
 
     B: int
     N: int
@@ -37,6 +40,11 @@ class TreeInputs:
     x_raw: Tensor
     usable: Tensor
     q: Tensor | None
+    columns: Vocab | None = None
+
+    @property
+    def vocab(self) -> Vocab:
+        return self.columns or Vocab(self.V)
 
 
 class TargetRows:
@@ -49,14 +57,14 @@ class TargetRows:
     @staticmethod
     def _rows(t: Tensor, flat: Tensor) -> Tensor:
         """Rows ``flat`` (= b * N + node) of ``[B, N, V]``, whole rows copied."""
-        return t.reshape(-1, t.shape[-1]).index_select(0, flat)
+        return t.flatten(0, -2).index_select(0, flat)
 
     def _logits(self, b: Tensor, node: Tensor, flat: Tensor) -> Tensor:
         """The logit rows (``flat`` = b * N + node), gathered into a scratch buffer (processing never
         keeps its input), float32."""
         V = self.logits.shape[-1]
         out = SCRATCH.get("visited logits", (flat.numel(), V), self.logits.dtype, self.logits.device)
-        x = torch.index_select(self.logits.reshape(-1, V), 0, flat, out=out).float()
+        x = torch.index_select(self.logits.flatten(0, -2), 0, flat, out=out).float()
         return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
 
     def _flat(self, b: Tensor, node: Tensor) -> Tensor:
@@ -134,7 +142,7 @@ def walk_draws(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tupl
 
 def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """Recursive rejection sampling down the tree."""
-    D, t = c.tree.max_depth, c.tree
+    D, t, vocab = c.tree.max_depth, c.tree, c.vocab
     draw = _drawer(c, rng, op, draw)
     u_accept = draw(STREAM_ACCEPT, c.N)
     u_draw = draw(STREAM_SAMPLE, c.N)
@@ -149,23 +157,22 @@ def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[
         while trying.numel():
             b, k = walking[trying], kid[trying]
             q = q_shared[trying] if q_shared is not None else c.q[b, k]
-            xk = c.x[b, k][:, None]
-            ok = c.usable[b, k] & (u_accept[b, k] * q.gather(1, xk)[:, 0] < r[trying, xk[:, 0]])
+            xk = c.x[b, k]
+            ok = c.usable[b, k] & (u_accept[b, k] * vocab.value(q, xk) < vocab.value(r[trying], xk))
             chosen[trying[ok]] = k[ok]
             rej, q = trying[~ok], q[~ok]
             residual = (r[rej] - q).clamp_(min=0.0)
-            mass = row_sum(residual, keepdim=True)
-            r[rej] = torch.where(mass > 0, residual / mass.clamp(min=1e-30), r[rej])
+            mass = vocab.mass(residual, keepdim=True)
+            r[rej] = torch.where(mass > 0, divide_by(residual, mass), r[rej])
             if q_shared is not None:
-                q = q.scatter(1, xk[~ok], 0.0)
-                q_shared[rej] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
+                q_shared[rej] = vocab.normalise(vocab.zero_at(q, xk[~ok]))
             kid[rej] = t.next_sibling[walking[rej], kid[rej]]
             trying = rej[kid[rej] >= 0]
         moved = chosen >= 0
         path[walking[moved], d + 1] = chosen[moved]
         stop = (~moved).nonzero()[:, 0]
         bs = walking[stop]
-        n[bs], y_out[bs] = d, sample_by_inversion(r[stop], u_draw[bs, v[stop]])
+        n[bs], y_out[bs] = d, vocab.draw(r[stop], u_draw[bs, v[stop]])
         walking = walking[moved]
         if walking.numel() == 0:
             break
@@ -179,7 +186,8 @@ def _ratio(num: Tensor, den: Tensor) -> Tensor:
 
 def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """Traversal verification: leaves tested in depth-first order, parents updated on deletion."""
-    B, D, N, V, dev, t = c.B, c.tree.max_depth, c.N, c.V, c.x.device, c.tree
+    B, D, N, dev, t, vocab = c.B, c.tree.max_depth, c.N, c.x.device, c.tree, c.vocab
+    V = vocab.width
     wo = c.sampling == "without_replacement"
     draw = _drawer(c, rng, op, draw)
     eta = draw(STREAM_ACCEPT, N)
@@ -196,8 +204,8 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
     def push(b: Tensor, node: Tensor):
         """Put ``node`` (a child of the node in slot top[b]) in the next slot of requests b."""
         j, x = top[b], c.x[b, node]
-        q_x = ms[b, j, x] if wo else c.q[b, node, x]
-        ratio = _ratio(a[b, j] * mb[b, j, x], q_x)
+        q_x = vocab.value(ms[b, j] if wo else c.q[b, node], x)
+        ratio = _ratio(a[b, j] * vocab.value(mb[b, j], x), q_x)
         top[b] = j + 1
         stack[b, j + 1] = node
         a[b, j + 1] = torch.where(c.usable[b, node], ratio, 0.0)
@@ -228,7 +236,7 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
         jd = top[done]
         path[done] = torch.where(pos <= jd[:, None], stack[done], -1)
         n[done] = jd
-        y_out[done] = sample_by_inversion(mb[done, jd], u_draw[done, stack[done, jd]])
+        y_out[done] = vocab.draw(mb[done, jd], u_draw[done, stack[done, jd]])
         # delete the rejected leaves; update their parents (slot j - 1)
         b = walking[~accept]
         walking = b
@@ -237,14 +245,14 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
         leaf, j = stack[b, top[b]], top[b] - 1
         q = ms[b, j] if wo else c.q[b, leaf]
         w = (a[b, j, None] * mb[b, j] - q).clamp_(min=0.0)
-        mass = row_sum(w)
-        mb[b, j] = torch.where(mass[:, None] > 0, w / mass.clamp(min=1e-30)[:, None], mb[b, j])
+        mass = vocab.mass(w)
+        mb[b, j] = torch.where(mass[:, None] > 0, divide_by(w, mass[:, None]), mb[b, j])
         # a = 0 (a node never accepted: its token out of range, or p(x) = 0) stays 0, even where bad
         # values (q < 0) give w mass: else such a node could be accepted once its children are deleted
-        a[b, j] = torch.where((mass > 0) & (a[b, j] > 0), mass / (mass + 1 - a[b, j]), 0.0)
+        s = as_weight(mass)
+        a[b, j] = torch.where((mass > 0) & (a[b, j] > 0), s / (s + 1 - a[b, j]), 0.0)
         if wo:
-            q = q.scatter(1, c.x[b, leaf][:, None], 0.0)
-            ms[b, j] = q / row_sum(q, keepdim=True).clamp(min=1e-30)
+            ms[b, j] = vocab.normalise(vocab.zero_at(q, c.x[b, leaf]))
         top[b] = j
         sibling = t.next_sibling[b, leaf]
         more = sibling >= 0
