@@ -1,6 +1,6 @@
 """Fuzzing ``specsampler.parallel`` against the error policy on a gloo group of one process (the whole
 vocabulary on one shard; tests/parallel checks the splits): a clear error, or the one-device op's results, with
-inputs unchanged. Sampled rows are not built yet on shards: they must raise NotImplementedError, not guess."""
+inputs unchanged, greedy and sampled rows alike."""
 
 from __future__ import annotations
 
@@ -72,23 +72,20 @@ def test_parallel_ops_give_a_clear_error_or_the_one_device_results():
         params = ss.SamplingParams(temperature=0.0 if case.greedy else 0.7)
         shard = parallel.VocabShard(0, V, V)
         bad = case.validate == "full" and (bad_logits(logits) or bool(((drafts < 0) | (drafts >= V)).any()))
-        try:
-            out = call_contract(lambda: parallel.verify_chain_from_logits(
-                logits, drafts, params, method="target_only", vocab_mask=mask, shard=shard, validate=case.validate),
-                [logits, drafts, mask], must_raise=bad, must_pass=not bad, value_error=bad)
-        except NotImplementedError:
-            assert not case.greedy, "greedy rows are built on shards"
-            return
+        rng = ss.Philox(torch.arange(case.B) + case.drafts_seed)
+        out = call_contract(lambda: parallel.verify_chain_from_logits(
+            logits, drafts, params, method="target_only", rng=rng, vocab_mask=mask, shard=shard,
+            validate=case.validate), [logits, drafts, mask], must_raise=bad, must_pass=not bad, value_error=bad)
         if out.error is not None:
             return
         res = out.result
         assert_ids(res.tokens, V, pad=True, what="ChainResult.tokens")
-        want = ss.verify_chain_from_logits(logits, drafts, params, method="target_only", vocab_mask=mask)
+        want = ss.verify_chain_from_logits(logits, drafts, params, method="target_only", rng=rng, vocab_mask=mask)
         assert torch.equal(res.tokens, want.tokens) and torch.equal(res.num_accepted, want.num_accepted)
         rows = logits[:, 0]
-        sampled = parallel.sample_from_logits(rows, params, vocab_mask=None if mask is None else mask[:, 0],
+        sampled = parallel.sample_from_logits(rows, params, rng, vocab_mask=None if mask is None else mask[:, 0],
                                               num_logprobs=2, shard=shard)
-        one = ss.sample_from_logits(rows, params, vocab_mask=None if mask is None else mask[:, 0], num_logprobs=2)
+        one = ss.sample_from_logits(rows, params, rng, vocab_mask=None if mask is None else mask[:, 0], num_logprobs=2)
         assert all(torch.equal(a, b) for a, b in zip(sampled, one))
 
     fuzz("parallel", "torch", cases(), body, n=(40, 0))

@@ -30,6 +30,22 @@ def _value(key32: Tensor) -> Tensor:
     return torch.where(key32 >= 0, key32, key32 ^ _FLIP).to(torch.int32).view(torch.float32)
 
 
+def argmax_keys(rows: Tensor, shard: VocabShard) -> Tensor:
+    """int64 ``[...]``: this shard's greedy choice of each row as a key whose MAX over the ranks is the choice
+    over the whole row (:func:`decode`). rows: float ``[..., shard.size]``, masked tokens at -inf."""
+    if shard.size == 0:
+        return torch.full(rows.shape[:-1], torch.iinfo(torch.int64).min, dtype=torch.int64, device=rows.device)
+    local = greedy_ids(rows).unsqueeze(-1)  # in the rows' own dtype: no float32 copy of the shard
+    top = rows.gather(-1, local)[..., 0].float()
+    top = torch.where(torch.isnan(top), float("-inf"), top)  # a row of NaN only
+    return _order_key(top) * _LOW + (_LOW - 1 - (shard.start + local[..., 0]))
+
+
+def decode(key: Tensor) -> tuple[Tensor, Tensor]:
+    """The global ids int64 and the maxima float32 (NaN aside) of reduced :func:`argmax_keys`."""
+    return _LOW - 1 - (key & (_LOW - 1)), _value(key >> 32)
+
+
 def shard_argmax(rows: Tensor, shard: VocabShard) -> tuple[Tensor, Tensor]:
     """The greedy choice over the whole vocabulary of rows held as shards.
 
@@ -37,14 +53,7 @@ def shard_argmax(rows: Tensor, shard: VocabShard) -> tuple[Tensor, Tensor]:
     rank. Returns ``(ids, mass)``: int64 ``[...]`` global ids, those :func:`greedy_ids` gives on the whole rows,
     and bool ``[...]``: the row has mass (its maximum, NaN aside, is finite). One ``all_reduce`` of int64 ``[...]``.
     """
-    lead = rows.shape[:-1]
-    if shard.size == 0:
-        key = torch.full(lead, torch.iinfo(torch.int64).min, dtype=torch.int64, device=rows.device)
-    else:
-        local = greedy_ids(rows).unsqueeze(-1)  # in the rows' own dtype: no float32 copy of the shard
-        top = rows.gather(-1, local)[..., 0].float()
-        top = torch.where(torch.isnan(top), float("-inf"), top)  # a row of NaN only
-        key = _order_key(top) * _LOW + (_LOW - 1 - (shard.start + local[..., 0]))
-    key = key.contiguous()
+    key = argmax_keys(rows, shard).contiguous()
     dist.all_reduce(key, op=dist.ReduceOp.MAX, group=shard.group)
-    return _LOW - 1 - (key & (_LOW - 1)), torch.isfinite(_value(key >> 32))
+    ids, top = decode(key)
+    return ids, torch.isfinite(top)

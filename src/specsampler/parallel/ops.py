@@ -1,10 +1,10 @@
 """The public ops on vocabulary shards: ``sample_from_logits``, ``verify_chain_from_logits``,
 ``verify_tree_from_logits`` with ``shard=`` (docs/design.md, "Vocab-parallel").
 
-Greedy decisions (temperature-0 rows, ``method="greedy"``) run here on any split: one ``all_reduce`` of the
-rows' argmax keys (:mod:`.argmax`), then the one-device walk on those ids, identical on every rank. Sampled
-rows need the shard-invariant draw recipe (exact integer masses, so that sums do not depend on the split)
-and raise ``NotImplementedError`` until it lands.
+Greedy decisions (``method="greedy"``, every temperature 0) take one ``all_reduce`` of the rows' argmax keys
+(:mod:`.argmax`). Sampled rows are processed on the shards (:mod:`.process`) and the one-device walks run on
+them through :class:`.vocab.ShardVocab`, whose sums, values and draws are exact whatever the split: every rank
+takes the decisions the one-device op takes, on the same Philox numbers.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..params import SamplingParams
-from ..rng import Philox
+from ..rng import STREAM_SAMPLE, Philox, uniform
 from ..sampling import SampleOutput
+from ..sampling.rounding import in_vector_body
 from ..validation import (
     ValidationError,
     check_device,
@@ -31,10 +32,9 @@ from ..verify import ChainResult, TokenTree, TreeResult, walks
 from ..verify import chain as _chain
 from ..verify import tree as _tree
 from .argmax import shard_argmax
+from .process import process_shard
 from .shard import VocabShard
-
-PENDING = ("sampled rows on vocabulary shards need the shard-invariant draw recipe, not built yet: only greedy "
-           "rows (temperature 0) and method='greedy' run on shards")
+from .vocab import ShardVocab
 
 
 def _inputs(op: str, logits: Tensor, name: str, ndim: int, shard: object, rng: object, vocab_mask: Tensor | None,
@@ -79,6 +79,16 @@ def _greedy(params: SamplingParams | None) -> bool:
     return bool((t == 0).all()) if isinstance(t, Tensor) else t == 0
 
 
+def _sampled_needs_philox(op: str, rng: object) -> None:
+    """Sampled rows draw: every rank must draw the same numbers, which only a Philox gives."""
+    if not isinstance(rng, Philox):
+        fail(op, "rng", "a specsampler.Philox for sampled rows (the same streams on every rank)", repr(rng))
+
+
+def _rows(op: str, params: SamplingParams | None, B: int, M: int, device, full: bool):
+    return (params if params is not None else SamplingParams()).rows(op, B, M, device, full)
+
+
 def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng: Philox | None = None,
                        vocab_mask: Tensor | None = None, num_logprobs: int = 0, *, shard: VocabShard,
                        validate: str = "structure") -> SampleOutput:
@@ -91,7 +101,7 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
     if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
         fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
     if not _greedy(params):
-        raise NotImplementedError(f"{op}: {PENDING}")
+        return _sample(op, x, params, rng, num_logprobs, shard, full)
     tokens, mass = shard_argmax(x, shard)
     # a greedy row is one-hot: log-probability 0 at its token, -inf elsewhere; -inf everywhere without mass
     logprobs = torch.where(mass, 0.0, float("-inf"))
@@ -102,6 +112,19 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
     top_lp = torch.full((B, num_logprobs), float("-inf"), device=x.device)
     top_ids[:, 0] = torch.where(mass, tokens, -1)
     top_lp[:, 0] = logprobs
+    return SampleOutput(tokens, logprobs, top_ids, top_lp)
+
+
+def _sample(op, x, params, rng, num_logprobs, shard, full) -> SampleOutput:
+    """Sampled (and mixed) rows: processed on the shards, drawn by exact inversion across them."""
+    _sampled_needs_philox(op, rng)
+    B = x.shape[0]
+    proc = process_shard(x.float(), _rows(op, params, B, 1, x.device, full), ShardVocab(shard))
+    tokens = proc.sample(uniform(rng, op, B, 1, STREAM_SAMPLE, x.device).reshape(-1))
+    logprobs = in_vector_body(torch.log, proc.prob(tokens))
+    top_ids = top_lp = None
+    if num_logprobs:
+        top_ids, top_lp = proc.top(num_logprobs)
     return SampleOutput(tokens, logprobs, top_ids, top_lp)
 
 
@@ -120,18 +143,35 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     check_tensor(op, "draft_tokens", draft_tokens, kind="int", ndim=2)
     check_shape(op, "draft_tokens", draft_tokens, (B, K), "[B, K]")
     check_device(op, "draft_tokens", draft_tokens, dev)
-    method, _ = check_method(op, method, _chain.METHODS, ("token", "block"), draft_probs,
+    method, q = check_method(op, method, _chain.METHODS, ("token", "block"), draft_probs,
                              (B, K, shard.size), "[B, K, shard.size]", dev)
-    if not (method == "greedy" or method == "target_only" and _greedy(params)):
-        raise NotImplementedError(f"{op}: {PENDING}")
     drafts = draft_tokens.long()
     n_max = _chain.check_num_drafts(op, num_drafts, B, K, dev, full)
     if full:
         _agreed(op, shard, lambda: check_token_values(op, "draft_tokens", drafts, V), dev)
-    y, _ = shard_argmax(x, shard)
     usable = (drafts >= 0) & (drafts < V) & (torch.arange(K, device=dev) < n_max[:, None])
-    c = _chain.ChainInputs(B, K, V, "greedy", drafts.clamp(0, V - 1), drafts, usable, n_max, None)
-    return _chain.verify_greedy(c, y)
+    vocab = ShardVocab(shard)
+    if method == "greedy" or method == "target_only" and _greedy(params):
+        c = _chain.ChainInputs(B, K, V, "greedy", drafts.clamp(0, V - 1), drafts, usable, n_max, None, vocab)
+        return _chain.verify_greedy(c, shard_argmax(x, shard)[0])
+    _sampled_needs_philox(op, rng)
+    c = _chain.ChainInputs(B, K, V, method, drafts.clamp(0, V - 1), drafts, usable, n_max, q, vocab)
+    target = process_shard(x.reshape(B * K1, shard.size).float(), _rows(op, params, B, K1, dev, full), vocab)
+    res = _chain._verify(c, target, None, rng, op)
+    res.expected_accepted  # noqa: B018 (its collectives now, on every rank: a rank reading it alone would wait)
+    return res
+
+
+class _ShardRows(walks.TargetRows):
+    """The target rows a walk visits, processed on the shards (logits already masked)."""
+
+    def __init__(self, logits: Tensor, rp, vocab: ShardVocab):
+        super().__init__(logits=logits, rp=rp)
+        self.vocab = vocab
+
+    def at(self, b: Tensor, node: Tensor):
+        flat = self._flat(b, node)
+        return process_shard(self._logits(b, node, flat), self.rp.take(flat), self.vocab)
 
 
 class _Argmaxes:
@@ -166,15 +206,20 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     check_device(op, "draft_tokens", draft_tokens, dev)
     if draft_sampling not in ("iid", "without_replacement"):
         fail(op, "draft_sampling", "one of ('iid', 'without_replacement')", repr(draft_sampling))
-    method, _ = check_method(op, method, _tree.METHODS, ("rrs", "traversal"), draft_probs,
+    method, q = check_method(op, method, _tree.METHODS, ("rrs", "traversal"), draft_probs,
                              (B, N, shard.size), "[B, N, shard.size]", dev)
-    if not (method == "greedy" or method == "target_only" and _greedy(params)):
-        raise NotImplementedError(f"{op}: {PENDING}")
     drafts = draft_tokens.long()
     if full:
         _agreed(op, shard, lambda: check_token_values(op, "draft_tokens", drafts[tree.depth > 0], V), dev)
-    y, _ = shard_argmax(x, shard)
     usable = (tree.depth > 0) & (drafts >= 0) & (drafts < V)
-    c = walks.TreeInputs(B, N, V, "greedy", draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, None)
-    path, n, y_out = walks.walk_draws(c, _Argmaxes(y), None, op)
-    return _tree._finish(c, path, n, y_out, n.float())
+    vocab = ShardVocab(shard)
+    if method == "greedy" or method == "target_only" and _greedy(params):
+        c = walks.TreeInputs(B, N, V, "greedy", draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, None,
+                             vocab)
+        path, n, y_out = walks.walk_draws(c, _Argmaxes(shard_argmax(x, shard)[0]), None, op)
+        return _tree._finish(c, path, n, y_out, n.float())
+    _sampled_needs_philox(op, rng)
+    c = walks.TreeInputs(B, N, V, method, draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, q, vocab)
+    rows = _ShardRows(x.float(), _rows(op, params, B, N, dev, full), vocab)
+    path, n, y_out = walks.WALKS[method](c, rows, rng, op)
+    return _tree._finish(c, path, n, y_out, None)
