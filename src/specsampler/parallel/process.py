@@ -154,31 +154,40 @@ def _nucleus_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> t
     m = masses(w)
     z = vocab.all_reduce(m.sum(-1))
     target = top_p_target(rp.top_p, z)
-    key = w.view(torch.int32).long()  # weights >= 0: their bit patterns order as they do
-    asc, order = torch.sort(key, dim=-1)
-    cum = torch.nn.functional.pad(m.gather(1, order).cumsum(-1), (1, 0))  # mass of the i lightest
-
-    def mass_from(pivots: Tensor) -> Tensor:
-        """Global mass of the tokens whose key is >= each pivot ``[r, P]``."""
-        below = torch.searchsorted(asc, pivots)
-        return vocab.all_reduce(cum[:, -1:] - cum.gather(1, below))
-
+    key = w.view(torch.int32)  # weights >= 0: their bit patterns order as they do
     r = x.shape[0]
     # the cut's key: the largest with at least the target above it. lo holds it (every mass lies at or above the
-    # lightest weight with mass), hi does not (nothing weighs more than 1)
+    # lightest weight with mass), hi does not (nothing weighs more than 1); mass_hi: the mass at or above hi
     lo = torch.full((r,), _LOWEST, dtype=torch.int64, device=x.device)
     hi = torch.full((r,), _ONE + 1, dtype=torch.int64, device=x.device)
     mass_hi = torch.zeros(r, dtype=torch.int64, device=x.device)
     j = torch.arange(1, PIVOTS + 1, device=x.device)
+    row = None  # the first round reads the rows whole; then the tokens still in [lo, hi) (row, key, mass), flat
+    k, mk = key.long(), m
     while bool((hi - lo > 1).any()):
-        pivots = lo[:, None] + ((hi - lo)[:, None] * j) // (PIVOTS + 1)
-        above = mass_from(pivots)
+        span = hi - lo
+        pivots = lo[:, None] + (span[:, None] * j) // (PIVOTS + 1)
+        # each token's count of pivots at or below its key (pivot j = lo + floor(span j / 64) <= key exactly when
+        # j < 64 (key - lo + 1) / span), its mass binned by that count: the mass at or above each pivot
+        at_lo, at_span = (lo[:, None], span[:, None]) if row is None else (lo[row], span[row])
+        bins = (((k - at_lo + 1) * (PIVOTS + 1) + at_span - 1) // at_span - 1).clamp_(0, PIVOTS)
+        hist = torch.zeros(r, PIVOTS + 1, dtype=torch.int64, device=x.device)
+        if row is None:
+            hist.scatter_add_(1, bins, mk)
+        else:
+            hist.index_put_((row, bins), mk, accumulate=True)
+        above = vocab.all_reduce(hist.flip(-1).cumsum(-1).flip(-1)[:, 1:]) + mass_hi[:, None]
         n_ok = (above >= target[:, None]).sum(-1)  # a prefix of the pivots (the mass falls with the key)
         lo = torch.where(n_ok > 0, pivots.gather(1, (n_ok - 1).clamp(min=0)[:, None])[:, 0], lo)
         up = n_ok < PIVOTS
         at = n_ok.clamp(max=PIVOTS - 1)[:, None]
         hi = torch.where(up, pivots.gather(1, at)[:, 0], hi)
         mass_hi = torch.where(up, above.gather(1, at)[:, 0], mass_hi)
+        if row is None:
+            row = torch.arange(r, device=x.device)[:, None].expand_as(k)
+        inside = (k >= lo[row]) & (k < hi[row])
+        row, k, mk = row[inside], k[inside], mk[inside]
+    key = key.long()
     # the tokens above the cut's key are kept; of those at it (equal weights, equal masses), the first in id order
     # while the mass before them is below the target
     tie_mass = masses(lo.to(torch.int32).view(torch.float32))
