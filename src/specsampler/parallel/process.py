@@ -28,9 +28,8 @@ from ..sampling.topk import ordered_prefix
 from .argmax import argmax_keys, decode
 from .vocab import ShardVocab
 
-PIVOTS = 63  # pivots per round of the top-p search: 6 bits of the weight's pattern per round
-_LOWEST = int(torch.tensor(2.0**-40).view(torch.int32))  # bit pattern of the lightest weight with mass
-_ONE = int(torch.tensor(1.0).view(torch.int32))
+PIVOTS = 63  # pivots per round of the top-p search: a digit of 6 bits of the weights' patterns per round
+_SHIFTS = (25, 19, 13, 7, 1, 0)  # the digits of a 31-bit pattern, highest first (the last one a bit)
 
 
 class ShardProcessed:
@@ -156,41 +155,31 @@ def _nucleus_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> t
     target = top_p_target(rp.top_p, z)
     key = w.view(torch.int32)  # weights >= 0: their bit patterns order as they do
     r = x.shape[0]
-    # the cut's key: the largest with at least the target above it. lo holds it (every mass lies at or above the
-    # lightest weight with mass), hi does not (nothing weighs more than 1); mass_hi: the mass at or above hi
-    lo = torch.full((r,), _LOWEST, dtype=torch.int64, device=x.device)
-    hi = torch.full((r,), _ONE + 1, dtype=torch.int64, device=x.device)
+    # the cut's key: the largest with at least the target above it, found digit by digit (6 bits a round, from
+    # the top of the 31-bit patterns): lo holds it so far (mass above lo >= target), mass_hi is the mass above
+    # the next value of the current digit
+    lo = torch.zeros(r, dtype=torch.int32, device=x.device)
     mass_hi = torch.zeros(r, dtype=torch.int64, device=x.device)
-    j = torch.arange(1, PIVOTS + 1, device=x.device)
-    row = None  # the first round reads the rows whole; then the tokens still in [lo, hi) (row, key, mass), flat
-    k, mk = key.long(), m
-    while bool((hi - lo > 1).any()):
-        span = hi - lo
-        pivots = lo[:, None] + (span[:, None] * j) // (PIVOTS + 1)
-        # each token's count of pivots at or below its key (pivot j = lo + floor(span j / 64) <= key exactly when
-        # j < 64 (key - lo + 1) / span), its mass binned by that count: the mass at or above each pivot
-        at_lo, at_span = (lo[:, None], span[:, None]) if row is None else (lo[row], span[row])
-        bins = (((k - at_lo + 1) * (PIVOTS + 1) + at_span - 1) // at_span - 1).clamp_(0, PIVOTS)
+    row, k, mk = None, key, m  # the first round reads the rows whole; then the tokens in lo's range, flat
+    for shift in _SHIFTS:
+        digit = ((k if row is None else k - lo[row]) >> shift).long()
         hist = torch.zeros(r, PIVOTS + 1, dtype=torch.int64, device=x.device)
         if row is None:
-            hist.scatter_add_(1, bins, mk)
+            hist.scatter_add_(1, digit, mk)
         else:
-            hist.index_put_((row, bins), mk, accumulate=True)
+            hist.index_put_((row, digit), mk, accumulate=True)
+        # the mass at or above lo + (j << shift), j = 1..63
         above = vocab.all_reduce(hist.flip(-1).cumsum(-1).flip(-1)[:, 1:]) + mass_hi[:, None]
-        n_ok = (above >= target[:, None]).sum(-1)  # a prefix of the pivots (the mass falls with the key)
-        lo = torch.where(n_ok > 0, pivots.gather(1, (n_ok - 1).clamp(min=0)[:, None])[:, 0], lo)
-        up = n_ok < PIVOTS
-        at = n_ok.clamp(max=PIVOTS - 1)[:, None]
-        hi = torch.where(up, pivots.gather(1, at)[:, 0], hi)
-        mass_hi = torch.where(up, above.gather(1, at)[:, 0], mass_hi)
+        d = (above >= target[:, None]).sum(-1)  # a prefix of the j (the mass falls with the key): the digit
+        mass_hi = torch.where(d < PIVOTS, above.gather(1, d.clamp(max=PIVOTS - 1)[:, None])[:, 0], mass_hi)
         if row is None:
             row = torch.arange(r, device=x.device)[:, None].expand_as(k)
-        inside = (k >= lo[row]) & (k < hi[row])
+        inside = digit == d[row]
         row, k, mk = row[inside], k[inside], mk[inside]
-    key = key.long()
+        lo += (d << shift).to(torch.int32)
     # the tokens above the cut's key are kept; of those at it (equal weights, equal masses), the first in id order
     # while the mass before them is below the target
-    tie_mass = masses(lo.to(torch.int32).view(torch.float32))
+    tie_mass = masses(lo.view(torch.float32))
     n_ties = torch.where(tie_mass > 0, (target - mass_hi + tie_mass - 1) // tie_mass.clamp(min=1), 0)
     ties = key == lo[:, None]
     counts = vocab.all_gather(torch.stack([ties.sum(-1), torch.full_like(lo, vocab.shard.start)]))  # [world, 2, r]
