@@ -7,7 +7,7 @@
 - :class:`Uniforms`: the caller's own uniforms, used as given (drop-in layers whose callers draw them).
 
 The counter layout, the streams and indices of each op, and the draw by inversion are the contract the
-kernels follow: docs/design.md, "Randomness". A draw inverts ``floor(u * Z)`` over a row's exact int64 masses
+kernels follow: docs/design.md, "Randomness". A draw inverts ``floor(u * Z)`` over a row's exact fixed-point masses
 (:mod:`specsampler.sampling.masses`), so that it is the same draw whatever the order of the sums: in any batch,
 and over a vocabulary split into shards (:mod:`specsampler.parallel`).
 """

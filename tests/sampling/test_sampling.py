@@ -371,7 +371,7 @@ def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
     # equal weights within one bin: the cut must keep the lowest positions
     w = torch.tensor([[1.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.25]])
     def mass(x):
-        return torch.tensor([int(x * 2**40)])
+        return torch.tensor([float(int(x * 2**32))], dtype=torch.float64)
 
     kept = cut_to_mass(w, mass(1.925))  # exact masses: 1, 0.5, then 0.25 x2
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 1, 2, 5]
@@ -390,11 +390,13 @@ def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
 
 def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor) -> None:
     """``kept`` keeps, unchanged, exactly the smallest prefix of each row's (weight desc, position asc) order
-    whose exact mass (Python integers of ``floor(w * 2**40)``) reaches ``target`` (all of it if none does)."""
+    whose exact mass (Python integers of ``floor(w * 2**MASS_BITS)``) reaches ``target`` (all of it if none does)."""
+    from specsampler.sampling.masses import MASS_BITS
+
     assert torch.equal(torch.where(kept > 0, w, 0.0), kept)
     for row, t, k in zip(w.tolist(), target.tolist(), kept):
         order = sorted(range(len(row)), key=lambda i: (-row[i], i))
-        mass = [int(row[i] * 2**40) for i in order]
+        mass = [int(row[i] * 2**MASS_BITS) for i in order]
         before = [sum(mass[:j]) for j in range(len(mass))]
         expected = [bool(row[i] > 0) and before[j] < t for j, i in enumerate(order)]
         assert [bool(k[i] > 0) for i in order] == expected
@@ -413,25 +415,26 @@ def test_radix_cut_keeps_the_smallest_prefix_reaching_the_target(rows, fractions
 
     C = max(len(r) for r in rows)
     w = torch.tensor([r + [0.0] * (C - len(r)) for r in rows], dtype=torch.float32)
-    total = (w.double() * 2**40).floor().sum(-1)
-    target = (total * torch.tensor(fractions[: len(rows)], dtype=torch.float64)).long()
+    total = (w.double() * 2**32).floor().sum(-1)
+    target = (total * torch.tensor(fractions[: len(rows)], dtype=torch.float64)).floor()
     _assert_cut(w, target, cut_to_mass(w, target))
 
 
 @pytest.mark.parametrize("case", ["one bin", "far below the largest"])
 def test_radix_cut_splits_a_crowded_crossing_bin(case):
-    # thousands of tokens pending after the first digit: split by the later digits, also when
-    # they lie in the lowest bin (more than 32 octaves below the largest weight, sharing no bits)
+    # thousands of tokens pending after the first digit: split by the later digits, also far below
+    # the largest weight
     from specsampler.sampling.processing import cut_to_mass
 
     g = torch.Generator().manual_seed(0)
     if case == "one bin":  # 5000 weights in [0.99, 1): one bin of the first digit
         w = 0.99 + torch.rand(3, 5000, generator=g) / 100
-        target = ((w.double() * 2**40).floor().sum(-1) * torch.tensor([0.3, 0.5, 0.999], dtype=torch.float64)).long()
-    else:  # 1.0, then tokens 33 to 35 octaves below whose mass the target needs
-        w = torch.exp2(-33 - 2 * torch.rand(3, 5000, generator=g))
+        mass = (w.double() * 2**32).floor().sum(-1)
+        target = (mass * torch.tensor([0.3, 0.5, 0.999], dtype=torch.float64)).floor()
+    else:  # 1.0, then tokens 20 to 22 octaves below whose mass the target needs (further below: no mass)
+        w = torch.exp2(-20 - 2 * torch.rand(3, 5000, generator=g))
         w[:, 17] = 1.0
-        target = torch.full((3,), 2**40 + 2**17)
+        target = torch.full((3,), 2.0**32 + 2**14, dtype=torch.float64)
     kept = cut_to_mass(w, target)
     _assert_cut(w, target, kept)
     assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()

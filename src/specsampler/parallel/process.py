@@ -3,7 +3,7 @@ distributions, equal value for value to :func:`specsampler.sampling.processing.p
 
 Every decision rests on quantities the split does not change: the row maximum and greedy choice (one
 ``all_reduce`` of order keys, :mod:`.argmax`), elementwise weights ``exp2(x * c - m * c)`` computed as on one
-device, exact int64 masses (:mod:`specsampler.sampling.masses`). By row kind (docs/design.md, "Vocab-parallel"):
+device, exact fixed-point masses (:mod:`specsampler.sampling.masses`). By row kind (docs/design.md, "Vocab-parallel"):
 - greedy: one-hot at the greedy choice;
 - top-k: each rank's k best (logit desc, id asc), gathered and merged on every rank (``O(k)`` per row), then cut
   and normalised as on one device, replicated;
@@ -159,11 +159,11 @@ def _nucleus_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> t
     # the top of the 31-bit patterns): lo holds it so far (mass above lo >= target), mass_hi is the mass above
     # the next value of the current digit
     lo = torch.zeros(r, dtype=torch.int32, device=x.device)
-    mass_hi = torch.zeros(r, dtype=torch.int64, device=x.device)
+    mass_hi = torch.zeros(r, dtype=torch.float64, device=x.device)
     row, k, mk = None, key, m  # the first round reads the rows whole; then the tokens in lo's range, flat
     for shift in _SHIFTS:
         digit = ((k if row is None else k - lo[row]) >> shift).long()
-        hist = torch.zeros(r, PIVOTS + 1, dtype=torch.int64, device=x.device)
+        hist = torch.zeros(r, PIVOTS + 1, dtype=torch.float64, device=x.device)
         if row is None:
             hist.scatter_add_(1, digit, mk)
         else:
@@ -179,12 +179,13 @@ def _nucleus_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> t
         lo += (d << shift).to(torch.int32)
     # the tokens above the cut's key are kept; of those at it (equal weights, equal masses), the first in id order
     # while the mass before them is below the target
-    tie_mass = masses(lo.view(torch.float32))
-    n_ties = torch.where(tie_mass > 0, (target - mass_hi + tie_mass - 1) // tie_mass.clamp(min=1), 0)
+    tie_mass = masses(lo.view(torch.float32)).long()  # exact integers: int64 for the division
+    gap = (target - mass_hi).long()
+    n_ties = torch.where(tie_mass > 0, (gap + tie_mass - 1) // tie_mass.clamp(min=1), 0)
     ties = key == lo[:, None]
     counts = vocab.all_gather(torch.stack([ties.sum(-1), torch.full_like(lo, vocab.shard.start)]))  # [world, 2, r]
     before = torch.where(counts[:, 1] < vocab.shard.start, counts[:, 0], 0).sum(0)
     tie_rank = ties.long().cumsum(-1)  # 1 for the first tie of this shard
     keep = (key > lo[:, None]) | (ties & (tie_rank <= (n_ties - before)[:, None]))
     keep &= (z > 0)[:, None]
-    return _normalised(torch.where(keep, w, 0.0), rp, vocab), torch.zeros_like(z)
+    return _normalised(torch.where(keep, w, 0.0), rp, vocab), torch.zeros_like(z, dtype=torch.int64)

@@ -1,10 +1,11 @@
 """The row operations of :class:`specsampler.sampling.vocab.Vocab` on vocabulary shards: :class:`ShardVocab`.
 
-Each is exact whatever the split: a row's mass is the sum of the shards' int64 masses (one ``all_reduce``); a
-value at a global id is its owner's (one ``all_reduce`` of ``R`` floats, zeros elsewhere); a draw inverts
-``floor(u * Z)`` over the integer prefix sums, each rank learning the masses before it from one ``all_gather``
-of ``R`` totals, the owner of the draw sending its id (one ``all_reduce``). So the verification walks, run with a
-``ShardVocab``, take every decision the one-device walk takes, identically on every rank.
+Each is exact whatever the split: a row's mass is the sum of the shards' masses (exact integers, one
+``all_reduce``); a value at a global id is its owner's (one ``all_reduce`` of ``R`` floats, zeros elsewhere); a
+draw inverts ``floor(u * Z)`` over the prefix sums of the masses, each rank learning the masses before it from
+one ``all_gather`` of ``R`` totals, the owner of the draw sending its id (one ``all_reduce``). So the
+verification walks, run with a ``ShardVocab``, take every decision the one-device walk takes, identically on
+every rank.
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ class ShardVocab(Vocab):
     def draw(self, w: Tensor, u: Tensor, fallback: Tensor | None = None) -> Tensor:
         """As :meth:`Vocab.draw`; a row without mass draws ``fallback`` int64 ``[R]`` (default 0)."""
         R = w.shape[0]
-        cum = masses(w).cumsum(-1) if self.shard.size else w.new_zeros(R, 0, dtype=torch.int64)
-        own = cum[:, -1] if self.shard.size else torch.zeros(R, dtype=torch.int64, device=w.device)
+        cum = masses(w).cumsum(-1) if self.shard.size else w.new_zeros(R, 0, dtype=torch.float64)
+        own = cum[:, -1] if self.shard.size else torch.zeros(R, dtype=torch.float64, device=w.device)
         totals = self.all_gather(own)  # [world, R]
         rank = dist.get_rank(self.shard.group)
         before = totals[:rank].sum(0)
         total = totals.sum(0)
         t = draw_target(u, total) - before  # the draw's mass within this shard
         mine = (t >= 0) & (t < own)
-        idx = invert(cum, t.clamp(min=0)) if self.shard.size else torch.zeros_like(t)
+        idx = invert(cum, t.clamp(min=0)) if self.shard.size else torch.zeros_like(t, dtype=torch.int64)
         token = self.all_reduce(torch.where(mine, self.shard.start + idx, -1), dist.ReduceOp.MAX)
         return torch.where(token >= 0, token, 0 if fallback is None else fallback)

@@ -88,7 +88,7 @@ def _normalise_(w: Tensor) -> Tensor:
 
 def prefix_keep(w: Tensor, ids: Tensor, target: Tensor) -> Tensor:
     """bool ``[r, C]``: the candidates in the smallest prefix of the (weight desc, id asc) order whose exact
-    mass reaches ``target`` int64 ``[r]``: those with less than ``target`` before them.
+    mass reaches ``target`` float64 ``[r]`` (:mod:`.masses`): those with less than ``target`` before them.
 
     w: float32 ``[r, C]`` weights in [0, 1]; ids: int64 ``[r, C]``, distinct in a row (any order)."""
     by_id = ids.argsort(dim=-1)
@@ -99,7 +99,7 @@ def prefix_keep(w: Tensor, ids: Tensor, target: Tensor) -> Tensor:
 
 
 def _cut_candidates(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
-    """top-p (against the mass ``z`` int64 ``[r]``, default the candidates' own) and min-p on candidates.
+    """top-p (against the mass ``z`` float64 ``[r]``, default the candidates' own) and min-p on candidates.
 
     w: float32 ``[r, C]`` in (logit desc, id asc) order (the first the largest), ids: their ids. Returns the
     kept weights.

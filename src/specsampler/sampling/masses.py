@@ -1,11 +1,13 @@
-"""Exact masses: weights held as int64 fixed point, so that every sum over a row, every top-p cut and every draw
-by inversion is the same integer whatever the order of the additions: across batches, on any device, and over a
-vocabulary split into shards (docs/design.md, "Randomness", "Vocab-parallel").
+"""Exact masses: weights held as fixed point, so that every sum over a row, every top-p cut and every draw by
+inversion is the same integer whatever the order of the additions: across batches, on any device, and over a
+vocabulary split into shards (docs/design.md, "Exact masses", "Vocab-parallel").
 
-A weight ``w`` (float32, a probability or ``exp((x - max) / T)``: at most 1) has the mass ``floor(w * 2**40)``
-(NaN and negatives 0, above 1 clamped to 1). A row's sum is the integer sum of its masses; a top-p cut keeps the
-tokens whose mass before them (in the cut's order) is below ``ceil(top_p * Z)``; a draw inverts
-``t = floor(u * Z)`` over the integer prefix sums. A token lighter than ``2**-40`` of the heaviest is never drawn.
+A weight ``w`` (float32, a probability or ``exp((x - max) / T)``: at most 1) has the mass ``floor(w * 2**32)``
+(NaN and negatives 0, above 1 clamped to 1), an integer held in float64: the sums of a row of up to 2**21 tokens
+stay below 2**53, so every partial sum is exact (and float64 runs vectorised where int64 does not). A row's sum
+is the sum of its masses; a top-p cut keeps the tokens whose mass before them (in the cut's order) is below
+``ceil(top_p * Z)``; a draw inverts ``t = floor(u * Z)`` over the prefix sums. A token lighter than ``2**-32`` of
+the row's scale is never drawn (a 24-bit uniform resolves ``2**-24`` of a row in any case).
 """
 
 from __future__ import annotations
@@ -13,23 +15,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-MASS_BITS = 40
+from .scratch import SCRATCH
+
+MASS_BITS = 32
+MAX_VOCAB = 2**21  # rows up to this long sum exactly: V * 2**32 <= 2**53
+_CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 _ONE = float(2**MASS_BITS)
 
 
-def masses(w: Tensor) -> Tensor:
-    """int64 masses of float weights in [0, 1] (any shape): ``floor(w * 2**40)``, NaN and negatives 0."""
-    return torch.nan_to_num(w.float(), nan=0.0).clamp(0.0, 1.0).mul_(_ONE).to(torch.int64)
+def masses(w: Tensor, scratch: str | None = None) -> Tensor:
+    """Masses of float weights in [0, 1] (any shape): ``floor(w * 2**32)``, NaN and negatives 0; integers in
+    float64. ``scratch``: build them in the named scratch buffers (a temporary the caller does not keep)."""
+    w = w.float()
+    f32 = None if scratch is None else SCRATCH.get(scratch + " (float32)", w.shape, torch.float32, w.device)
+    # w * 2**32 and its floor are exact in float32 (a power-of-two scale; from 2**24 on a float32 is an integer)
+    m = torch.nan_to_num(w, nan=0.0, out=f32).clamp_(0.0, 1.0).mul_(_ONE).floor_()
+    return m.double() if scratch is None else SCRATCH.get(scratch, w.shape, torch.float64, w.device).copy_(m)
 
 
 def as_weight(mass: Tensor) -> Tensor:
-    """float32 weight of an int64 mass (a sum's: rounded once)."""
-    return (mass.double() / _ONE).float()
+    """float32 weight of a mass (a sum's: rounded once)."""
+    return (mass / _ONE).float()
 
 
 def row_mass(w: Tensor, keepdim: bool = False) -> Tensor:
-    """int64 ``[...]``: the mass of each row of weights ``[..., C]``."""
-    return masses(w).sum(-1, keepdim=keepdim)
+    """float64 ``[...]``: the mass of each row of weights ``[..., C]`` (an exact integer)."""
+    return masses(w, "row masses").sum(-1, keepdim=keepdim)
 
 
 def row_total(w: Tensor, keepdim: bool = False) -> Tensor:
@@ -38,7 +49,7 @@ def row_total(w: Tensor, keepdim: bool = False) -> Tensor:
 
 
 def divide_by(w: Tensor, mass: Tensor) -> Tensor:
-    """``w / weight(mass)`` per row (``mass`` int64 broadcastable to ``w``), 0 where the mass is 0."""
+    """``w / weight(mass)`` per row (``mass`` broadcastable to ``w``), 0 where the mass is 0."""
     z = as_weight(mass)
     return torch.where(mass > 0, w / torch.where(mass > 0, z, 1.0), 0.0)
 
@@ -49,19 +60,19 @@ def normalise(w: Tensor) -> Tensor:
 
 
 def top_p_target(top_p: Tensor, mass: Tensor) -> Tensor:
-    """int64: the mass a top-p prefix must reach, ``ceil(top_p * Z)`` (in float64), at most ``Z``."""
-    return torch.minimum(torch.ceil(top_p.double() * mass.double()).long(), mass)
+    """The mass a top-p prefix must reach, ``ceil(top_p * Z)`` (float64), at most ``Z``."""
+    return torch.minimum(torch.ceil(top_p.double() * mass), mass)
 
 
 def draw_target(u: Tensor, mass: Tensor) -> Tensor:
-    """int64: the cumulative mass a draw of ``u`` in [0, 1) passes, ``floor(u * Z)`` (in float64), in
-    ``[0, Z - 1]`` (0 when Z is 0)."""
-    t = torch.floor(u.double().clamp(0.0, 1.0) * mass.double()).long()
+    """The cumulative mass a draw of ``u`` in [0, 1) passes, ``floor(u * Z)`` (float64), in ``[0, Z - 1]`` (0
+    when Z is 0)."""
+    t = torch.floor(u.double().clamp(0.0, 1.0) * mass)
     return torch.minimum(t, mass - 1).clamp_(min=0)
 
 
 def invert(cum: Tensor, t: Tensor) -> Tensor:
-    """int64 ``[R]``: in each row of inclusive prefix sums ``cum`` int64 ``[R, C]``, the first column whose sum
+    """int64 ``[R]``: in each row of inclusive prefix sums ``cum`` ``[R, C]`` (masses), the first column whose sum
     exceeds ``t`` ``[R]`` (a column of positive mass when ``t`` is below the row's mass; else the last column
     of positive mass; 0 for a row without mass)."""
     C = cum.shape[1]
@@ -75,8 +86,20 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
 
     weights: float32 ``[R, C]`` in [0, 1] (need not be normalised); u: float32 ``[R]`` in [0, 1).
     Returns int64 ``[R]`` in ``[0, C)``: never a column without mass when the row has mass; 0 otherwise.
+    Wide rows are inverted in two steps, over the masses of chunks of 256 columns, then inside the chunk
+    found: the same column (the sums are exact), without the prefix sums of the whole row.
     """
-    if weights.shape[1] == 0:
-        return torch.zeros(weights.shape[0], dtype=torch.int64, device=weights.device)
-    cum = masses(weights).cumsum(-1)
-    return invert(cum, draw_target(u, cum[:, -1]))
+    R, C = weights.shape
+    if C == 0:
+        return torch.zeros(R, dtype=torch.int64, device=weights.device)
+    m = masses(weights, "draw masses")
+    if C < 4 * _CHUNK:
+        cum = m.cumsum(-1)
+        return invert(cum, draw_target(u, cum[:, -1]))
+    chunks = (torch.nn.functional.pad(m, (0, -C % _CHUNK)) if C % _CHUNK else m).view(R, -(-C // _CHUNK), _CHUNK)
+    csum = chunks.sum(-1).cumsum(-1)
+    t = draw_target(u, csum[:, -1])
+    c = invert(csum, t)
+    before = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = chunks[torch.arange(R, device=weights.device), c]
+    return (c * _CHUNK + invert(inner.cumsum(-1), t - before)).clamp_(max=C - 1)

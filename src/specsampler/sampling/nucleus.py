@@ -69,7 +69,7 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
     top, best = _max(x, chunk_max)
     # unnormalised weights (the most likely token's 1), in a scratch buffer; z: each row's exact mass, target:
-    # the mass the nucleus reaches (int64, :mod:`.masses`)
+    # the mass the nucleus reaches (float64 integers, :mod:`.masses`)
     w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None, scratch="weights")
     z = row_mass(w)
     target = top_p_target(rp.top_p, z)
@@ -129,7 +129,8 @@ def _keys(w: Tensor, shift: int, scratch: str | None = None) -> Tensor:
 
 
 def _histogram(keys: Tensor, values: Tensor, num_keys: int) -> Tensor:
-    """Per-row sums of ``values`` (float32 or int64 masses) by key: ``[r, n]`` int32 keys -> ``[r, num_keys]``."""
+    """Per-row sums of ``values`` (float32 weights or float64 masses) by key: ``[r, n]`` int32 keys ->
+    ``[r, num_keys]``."""
     return torch.zeros(keys.shape[0], num_keys, dtype=values.dtype, device=keys.device).scatter_add_(
         1, keys.long(), values)
 
@@ -147,7 +148,7 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
     the lowest bin edge with an estimated 2n + 128 tokens or fewer above it (at most V/16),
     so that compaction stays cheap while keeping a wide margin for the estimate's error.
 
-    w: float32 ``[r, V]``; w_max: ``[r, 1]``, its row maxima; target, z: int64 ``[r]``, the mass to
+    w: float32 ``[r, V]``; w_max: ``[r, 1]``, its row maxima; target, z: float64 ``[r]``, the mass to
     reach and the row's mass (:mod:`.masses`); chunk_max: ``[r, V / L]``, the chunk maxima of the logits, or None.
     Returns lb float32 ``[r]``, likely bool ``[r]``, n float32 ``[r]``.
     """
@@ -193,7 +194,7 @@ def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tenso
     lowest weight bounds its token count: rows with few tokens down to the crossing bin (up
     to a sixteenth of the row) are compacted (candidates in id order), the others cut densely.
 
-    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: int64 ``[r]``;
+    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: float64 ``[r]``;
     w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
     """
     r, V = w.shape
@@ -231,7 +232,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     the nucleus is among them; rows whose tokens above ``lb`` are not ``likely`` to reach the
     target, or do not, are cut densely instead.
 
-    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb: ``[r]``; target: int64 ``[r]``; likely:
+    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb: ``[r]``; target: float64 ``[r]``; likely:
     bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
     """
     r, V = w.shape
@@ -275,7 +276,7 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     target; tokens above it are kept, below dropped, and the crossing bin's tokens are
     settled by :func:`_settle`.
 
-    w: float32 ``[r, C]`` in [0, 1]. target: int64 ``[r]``, absolute mass. out: where to write
+    w: float32 ``[r, C]`` in [0, 1]. target: float64 ``[r]``, absolute mass. out: where to write
     the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
     """
     digit, crossing, above, _, _ = _first_digit(w, target)
@@ -288,14 +289,14 @@ def _first_digit(w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Ten
     it and the lowest bin (0) holding everything further below; a histogram of mass by bin
     gives the bin where the prefix mass crosses the target.
 
-    w: float32 ``[r, C]`` in [0, 1]; target: int64 ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
-    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it int64 ``[r]``, the
-    histogram of masses int64 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
+    w: float32 ``[r, C]`` in [0, 1]; target: float64 ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
+    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it float64 ``[r]``, the
+    histogram of masses float64 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
     """
     base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
     digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
-    hist = _histogram(digit, masses(w), _RADIX_KEYS)
-    above = torch.zeros(w.shape[0], dtype=torch.int64, device=w.device)
+    hist = _histogram(digit, masses(w, "cut masses"), _RADIX_KEYS)
+    above = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
     crossing = _cross(hist, above, target).to(torch.int32)[:, None]
     return digit, crossing, above, hist, base
 
@@ -318,7 +319,7 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
     share), and the few left are ordered by a sort.
 
     w: float32 ``[r, C]``; b, col: int64 ``[n]``, row-major; crossing: int32 ``[r, 1]``;
-    above: int64 ``[r]``, the mass of the tokens above the bin (updated); target: int64 ``[r]``.
+    above: float64 ``[r]``, the mass of the tokens above the bin (updated); target: float64 ``[r]``.
     """
     r = w.shape[0]
     # the bits the pending tokens of each row share: those above bit 17, but none in bin 0
@@ -327,7 +328,7 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
         v = w[b, col]
         shift = (shared - 11).clamp_(min=0)
         digit = (v.view(torch.int32) >> shift[b]) & (_RADIX_KEYS - 1)
-        mass = torch.zeros(r * _RADIX_KEYS, dtype=torch.int64, device=w.device).index_add_(
+        mass = torch.zeros(r * _RADIX_KEYS, dtype=torch.float64, device=w.device).index_add_(
             0, b * _RADIX_KEYS + digit, masses(v))
         crossing = _cross(mass.view(r, _RADIX_KEYS), above, target)
         below = digit < crossing[b]
