@@ -91,6 +91,10 @@ def prefix_keep(w: Tensor, ids: Tensor, target: Tensor) -> Tensor:
     mass reaches ``target`` float64 ``[r]`` (:mod:`.masses`): those with less than ``target`` before them.
 
     w: float32 ``[r, C]`` weights in [0, 1]; ids: int64 ``[r, C]``, distinct in a row (any order)."""
+    if w.shape[1] < 2 or not bool(((w[:, 1:] > w[:, :-1]) | ((w[:, 1:] == w[:, :-1]) & (ids[:, 1:] < ids[:, :-1])))
+                                  .any()):  # already in that order (candidates in logit order, the usual case)
+        m = masses(w)
+        return (m.cumsum(-1) - m) < target[:, None]
     by_id = ids.argsort(dim=-1)
     order = by_id.gather(1, torch.sort(w.gather(1, by_id), dim=-1, descending=True, stable=True).indices)
     m = masses(w.gather(1, order))

@@ -20,6 +20,7 @@ from .scratch import SCRATCH
 MASS_BITS = 32
 MAX_VOCAB = 2**21  # rows up to this long sum exactly: V * 2**32 <= 2**53
 _CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
+_SCRATCH_FROM = 1 << 16  # masses of fewer values are allocated (a scratch lookup costs more than the pages)
 _ONE = float(2**MASS_BITS)
 
 
@@ -27,6 +28,7 @@ def masses(w: Tensor, scratch: str | None = None) -> Tensor:
     """Masses of float weights in [0, 1] (any shape): ``floor(w * 2**32)``, NaN and negatives 0; integers in
     float64. ``scratch``: build them in the named scratch buffers (a temporary the caller does not keep)."""
     w = w.float()
+    scratch = scratch if w.numel() >= _SCRATCH_FROM else None
     f32 = None if scratch is None else SCRATCH.get(scratch + " (float32)", w.shape, torch.float32, w.device)
     # w * 2**32 and its floor are exact in float32 (a power-of-two scale; from 2**24 on a float32 is an integer)
     m = torch.nan_to_num(w, nan=0.0, out=f32).clamp_(0.0, 1.0).mul_(_ONE).floor_()

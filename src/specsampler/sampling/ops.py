@@ -26,8 +26,8 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _normalise_, _weights, prefix_keep
-from .masses import row_mass, top_p_target
+from .filters import _FAR, _weights, prefix_keep
+from .masses import as_weight, masses, top_p_target
 from .processing import Processed, in_vector_body, process, sample_by_inversion
 
 
@@ -286,7 +286,16 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     if not all(map(math.isfinite, top.view(-1).tolist())) or bool(((top * c).abs() >= _FAR).any()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
     w = torch.mul(vals, c).sub_(top * c).exp2_().clamp_(max=1.0)  # bit for bit process()'s arithmetic
-    kept = _normalise_(torch.where(prefix_keep(w, order, top_p_target(top_p[:, 0], row_mass(w))), w, zero))
+    m = masses(w)
+    cum = m.cumsum(-1)
+    target = top_p_target(top_p[:, 0], cum[:, -1])
+    if bool(((w[:, 1:] == w[:, :-1]) & (vals[:, 1:] != vals[:, :-1])).any()):  # the cut's order is not the logits'
+        keep = prefix_keep(w, order, target)
+    else:
+        keep = (cum - m) < target[:, None]
+    # process()'s normalisation: the kept weights over their exact mass
+    mass = torch.where(keep, m, 0.0).sum(-1, keepdim=True)
+    kept = torch.where(keep, w, zero).div_(torch.where(mass > 0, as_weight(mass), float("inf")))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 
