@@ -242,7 +242,6 @@ def exactness(shard, g):
     decisions are those of every world size, which the scenarios above compare token for token)."""
     import torch.distributed as dist
 
-
     return monte_carlo() if dist.get_world_size() == 2 else None
 
 

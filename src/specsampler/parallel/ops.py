@@ -94,7 +94,8 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
                        validate: str = "structure") -> SampleOutput:
     """:func:`specsampler.sample_from_logits` on shards: logits float ``[B, shard.size]`` (global ids
     ``[shard.start, shard.end)``), vocab_mask bool broadcastable to it; the same :class:`SampleOutput` (global
-    ids) on every rank, equal to the one-device op on the whole rows. Greedy rows only (see the module)."""
+    ids) on every rank, equal to the one-device op on the whole rows; ``rng`` a :class:`Philox` where a row is
+    sampled."""
     op = "parallel.sample_from_logits"
     full = check_mode(op, validate)
     x = _inputs(op, logits, "logits", 2, shard, rng, vocab_mask, full)
@@ -134,7 +135,8 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
                              shard: VocabShard, validate: str = "structure") -> ChainResult:
     """:func:`specsampler.verify_chain_from_logits` on shards: target_logits float ``[B, K+1, shard.size]``,
     draft_tokens integer ``[B, K]`` (global ids), num_drafts integer ``[B]``; the same :class:`ChainResult` on
-    every rank, equal to the one-device op. ``method="greedy"``, or ``target_only`` with every temperature 0."""
+    every rank, equal to the one-device op; draft_probs float ``[B, K, shard.size]``; ``rng`` a :class:`Philox`
+    unless every decision is greedy."""
     op = "parallel.verify_chain_from_logits"
     full = check_mode(op, validate)
     x = _inputs(op, target_logits, "target_logits", 3, shard, rng, vocab_mask, full)
@@ -191,8 +193,8 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
                             validate: str = "structure") -> TreeResult:
     """:func:`specsampler.verify_tree_from_logits` on shards: target_logits float ``[B, N, shard.size]``,
     draft_tokens integer ``[B, N]`` (global ids), tree a :class:`TokenTree` (the same on every rank); the same
-    :class:`TreeResult` on every rank, equal to the one-device op. ``method="greedy"``, or ``target_only`` with
-    every temperature 0."""
+    :class:`TreeResult` on every rank, equal to the one-device op; draft_probs float ``[B, N, shard.size]``;
+    ``rng`` a :class:`Philox` unless every decision is greedy."""
     op = "parallel.verify_tree_from_logits"
     full = check_mode(op, validate)
     x = _inputs(op, target_logits, "target_logits", 3, shard, rng, vocab_mask, full)

@@ -7,9 +7,9 @@ device, exact fixed-point masses (:mod:`specsampler.sampling.masses`). By row ki
 - greedy: one-hot at the greedy choice;
 - top-k: each rank's k best (logit desc, id asc), gathered and merged on every rank (``O(k)`` per row), then cut
   and normalised as on one device, replicated;
-- top-p alone: the cut's weight found by a search over the weights' bit patterns, :data:`PIVOTS` pivots per
-  round (one ``all_reduce`` of ``[r, PIVOTS]`` masses each), then the ties at the cut by id (one ``all_gather`` of
-  tie counts);
+- top-p alone: the cut's weight found digit by digit in the weights' bit patterns, 6 bits a round (one
+  ``all_reduce`` of ``[r, PIVOTS]`` masses each), then the ties at the cut by id (one ``all_gather`` of tie
+  counts);
 - neither: dense; min-p against the largest weight (one ``all_reduce``); the normalisation by the exact mass.
 """
 
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..params import RowParams
 from ..sampling.filters import _candidate_weights, _cut_candidates, _part_in_id_order, _take_params, _weights
-from ..sampling.masses import masses, top_p_target
+from ..sampling.masses import divide_by, masses, top_p_target
 from ..sampling.processing import _kinds
 from ..sampling.rounding import in_vector_body
 from ..sampling.topk import ordered_prefix
@@ -67,7 +67,10 @@ def _local_best(scores: Tensor, n: int, vocab: ShardVocab, pad_value: float) -> 
     ``V``: float32 ``[R, n]`` and global ids int64 ``[R, n]``."""
     R, size = scores.shape
     k = min(n, size)
-    vals, pos = ordered_prefix(scores, k) if k else (scores.new_zeros(R, 0), torch.zeros(R, 0, dtype=torch.int64))
+    if k:
+        vals, pos = ordered_prefix(scores, k)
+    else:
+        vals, pos = scores.new_zeros(R, 0), torch.zeros(R, 0, dtype=torch.int64, device=scores.device)
     pad = n - k
     ids = pos.to(scores.device) + vocab.shard.start
     if pad:
@@ -132,13 +135,16 @@ def _top_k_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> tup
     return out, part.ids[:, 0]
 
 
-def _normalised(w: Tensor, rp: RowParams, vocab: ShardVocab) -> Tensor:
-    """min-p against the row's largest weight (one ``all_reduce``), then divided by the exact mass."""
+def _normalised(w: Tensor, rp: RowParams, vocab: ShardVocab, m: Tensor | None = None) -> Tensor:
+    """min-p against the row's largest weight (one ``all_reduce``), then divided by the exact mass (from the
+    weights' masses ``m`` where the caller has them)."""
     if not rp.all_equal("min_p", 0):
         w_max = vocab.all_reduce(w.amax(-1, keepdim=True) if w.shape[1] else w.new_zeros(w.shape[0], 1),
                                  dist.ReduceOp.MAX)
         w = w * (w >= rp.min_p[:, None] * w_max)
-    return vocab.normalise(w)
+    if m is None:
+        return vocab.normalise(w)
+    return divide_by(w, vocab.all_reduce(torch.where(w > 0, m, 0.0).sum(-1, keepdim=True)))
 
 
 def _plain_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> tuple[Tensor, Tensor]:
@@ -188,4 +194,4 @@ def _nucleus_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> t
     tie_rank = ties.long().cumsum(-1)  # 1 for the first tie of this shard
     keep = (key > lo[:, None]) | (ties & (tie_rank <= (n_ties - before)[:, None]))
     keep &= (z > 0)[:, None]
-    return _normalised(torch.where(keep, w, 0.0), rp, vocab), torch.zeros_like(z, dtype=torch.int64)
+    return _normalised(torch.where(keep, w, 0.0), rp, vocab, m), torch.zeros_like(z, dtype=torch.int64)

@@ -14,7 +14,7 @@ from torch import Tensor
 from ..params import RowParams
 from .distributions import Part, _take
 from .greedy import nan_as_minus_inf
-from .masses import as_weight, masses, row_mass, top_p_target
+from .masses import divide_by_, masses, row_mass, top_p_target
 from .rounding import _VECTOR_BODY, in_vector_body
 from .scratch import SCRATCH
 from .topk import ordered_prefix
@@ -82,18 +82,18 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
 def _normalise_(w: Tensor) -> Tensor:
     """Divide each row (weights in [0, 1]) by its exact sum (:mod:`.masses`), in place; rows without mass
     become 0."""
-    mass = row_mass(w, keepdim=True)
-    return w.div_(torch.where(mass > 0, as_weight(mass), float("inf")))
+    return divide_by_(w, row_mass(w, keepdim=True))
 
 
-def prefix_keep(w: Tensor, ids: Tensor, target: Tensor) -> Tensor:
+def prefix_keep(w: Tensor, ids: Tensor, target: Tensor, m: Tensor | None = None) -> Tensor:
     """bool ``[r, C]``: the candidates in the smallest prefix of the (weight desc, id asc) order whose exact
     mass reaches ``target`` float64 ``[r]`` (:mod:`.masses`): those with less than ``target`` before them.
 
-    w: float32 ``[r, C]`` weights in [0, 1]; ids: int64 ``[r, C]``, distinct in a row (any order)."""
+    w: float32 ``[r, C]`` weights in [0, 1]; ids: int64 ``[r, C]``, distinct in a row (any order); m: their
+    masses when the caller has them."""
     if w.shape[1] < 2 or not bool(((w[:, 1:] > w[:, :-1]) | ((w[:, 1:] == w[:, :-1]) & (ids[:, 1:] < ids[:, :-1])))
                                   .any()):  # already in that order (candidates in logit order, the usual case)
-        m = masses(w)
+        m = masses(w) if m is None else m
         return (m.cumsum(-1) - m) < target[:, None]
     by_id = ids.argsort(dim=-1)
     order = by_id.gather(1, torch.sort(w.gather(1, by_id), dim=-1, descending=True, stable=True).indices)

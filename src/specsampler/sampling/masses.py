@@ -18,7 +18,6 @@ from torch import Tensor
 from .scratch import SCRATCH
 
 MASS_BITS = 32
-MAX_VOCAB = 2**21  # rows up to this long sum exactly: V * 2**32 <= 2**53
 _CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 _SCRATCH_FROM = 1 << 16  # masses of fewer values are allocated (a scratch lookup costs more than the pages)
 _ONE = float(2**MASS_BITS)
@@ -45,15 +44,15 @@ def row_mass(w: Tensor, keepdim: bool = False) -> Tensor:
     return masses(w, "row masses").sum(-1, keepdim=keepdim)
 
 
-def row_total(w: Tensor, keepdim: bool = False) -> Tensor:
-    """float32 ``[...]``: each row's sum, exact in any order (the weight of its mass)."""
-    return as_weight(row_mass(w, keepdim))
-
-
 def divide_by(w: Tensor, mass: Tensor) -> Tensor:
     """``w / weight(mass)`` per row (``mass`` broadcastable to ``w``), 0 where the mass is 0."""
     z = as_weight(mass)
     return torch.where(mass > 0, w / torch.where(mass > 0, z, 1.0), 0.0)
+
+
+def divide_by_(w: Tensor, mass: Tensor) -> Tensor:
+    """:func:`divide_by` in place (a row without mass becomes 0 where its weights are finite)."""
+    return w.div_(torch.where(mass > 0, as_weight(mass), float("inf")))
 
 
 def normalise(w: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from ..validation import (
     shape_str,
 )
 from .filters import _FAR, _weights, prefix_keep
-from .masses import as_weight, masses, top_p_target
+from .masses import divide_by_, masses, top_p_target
 from .processing import Processed, in_vector_body, process, sample_by_inversion
 
 
@@ -287,15 +287,9 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
     w = torch.mul(vals, c).sub_(top * c).exp2_().clamp_(max=1.0)  # bit for bit process()'s arithmetic
     m = masses(w)
-    cum = m.cumsum(-1)
-    target = top_p_target(top_p[:, 0], cum[:, -1])
-    if bool(((w[:, 1:] == w[:, :-1]) & (vals[:, 1:] != vals[:, :-1])).any()):  # the cut's order is not the logits'
-        keep = prefix_keep(w, order, target)
-    else:
-        keep = (cum - m) < target[:, None]
+    keep = prefix_keep(w, order, top_p_target(top_p[:, 0], m.sum(-1)), m)
     # process()'s normalisation: the kept weights over their exact mass
-    mass = torch.where(keep, m, 0.0).sum(-1, keepdim=True)
-    kept = torch.where(keep, w, zero).div_(torch.where(mass > 0, as_weight(mass), float("inf")))
+    kept = divide_by_(torch.where(keep, w, zero), torch.where(keep, m, 0.0).sum(-1, keepdim=True))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 

@@ -22,7 +22,7 @@ class Vocab:
         return self.vocab_size
 
     def mass(self, w: Tensor, keepdim: bool = False) -> Tensor:
-        """int64 ``[...]``: the exact mass of each row of weights ``[..., width]`` in [0, 1]."""
+        """float64 ``[...]``: the exact mass (an integer) of each row of weights ``[..., width]`` in [0, 1]."""
         return row_mass(w, keepdim)
 
     def normalise(self, w: Tensor) -> Tensor:
