@@ -9,6 +9,7 @@ Where things live: ARCHITECTURE.md.
 import importlib
 
 from . import _legacy
+from .kernels.warmup import warmup
 from .params import SamplingParams
 from .rng import Philox, Uniforms
 from .sampling import (
@@ -69,5 +70,6 @@ __all__ = [
     "verify_chain_from_logits",
     "verify_tree",
     "verify_tree_from_logits",
+    "warmup",
 ]
 __version__ = "0.1.0"

@@ -310,12 +310,11 @@ def test_rows_described_in_parallel_give_the_same_chains_bit_for_bit(method, mon
         reads = row_reads(loaded, c.logits)
         described = torch.arange(K_MAX + 1) <= c.n[:, None]  # rows past num_drafts are not read at all
         assert reads[described].gt(0).all() and not reads[~described].gt(0).any()
-    # by size on a GPU of 132 SMs: at most two rows per SM; never in the interpreter
+    # on a GPU always (measured faster at every shape, issue 31's table); never in the interpreter
     h100 = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h100)
-    gpu = torch.device("cuda")
-    assert kchain.rows_in_parallel_by_default(52, 5, gpu) and not kchain.rows_in_parallel_by_default(53, 5, gpu)
-    assert not kchain.rows_in_parallel_by_default(1, 5, torch.device("cpu"))
+    assert kchain.rows_in_parallel_by_default(torch.device("cuda"))
+    assert not kchain.rows_in_parallel_by_default(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("method", METHODS)

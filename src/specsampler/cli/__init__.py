@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import time
 
 import torch
 
@@ -189,6 +191,26 @@ def bench(args: argparse.Namespace) -> int:
     return 0 if all(r.get("met", True) for r in records) else 1
 
 
+def warmup(args: argparse.Namespace) -> int:
+    """Compile every kernel specialisation a server needs for one model (specsampler.warmup); a table."""
+    from ..kernels.warmup import DTYPES
+    from ..kernels.warmup import warmup as run
+
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    masks = {"both": (False, True), "none": (False,), "mask": (True,)}[args.masks]
+    start = time.perf_counter()
+    records = run(args.vocab_size, DTYPES[args.dtype], args.device, methods, masks=masks,
+                  draft_dtype=DTYPES[args.draft_dtype], workers=args.workers)
+    total = time.perf_counter() - start
+    print(f"{'op':<26}{'method':<13}{'variant':<28}{'seconds':>8}")
+    for r in records:
+        print(f"{r['op']:<26}{r['method']:<13}{r['variant']:<28}{r['seconds']:>8.2f}")
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    print(f"{len(records)} launches warmed up in {total:.1f} s (V={args.vocab_size}, {args.dtype} logits, "
+          f"{args.device}); Triton's cache: {cache}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specsampler", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--plot", help="write a PNG of the speedups here (needs matplotlib)")
     p.set_defaults(func=bench)
+    p = sub.add_parser("warmup", help="compile every kernel a server needs for one model, before serving")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="of the logits")
+    p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="of draft (and target) probabilities")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--methods", help="comma-separated: sample, token, block, target_only, greedy, rrs, traversal, mlc "
+                   "(default: all)")
+    p.add_argument("--masks", choices=["both", "none", "mask"], default="both",
+                   help="calls without a vocab_mask, with one, or both")
+    p.add_argument("--workers", type=int, help="compiling processes (default: one per core)")
+    p.set_defaults(func=warmup)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -14,9 +14,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
-from .describe import describe_row, draw
+from .describe import describe_row, draw, unpack_candidates
 from .philox import philox_uniform
-from .rows import STAGES, row_scratch
+from .rows import STAGES, aligned_strides, row_scratch, row_stride
 
 SAMPLE = tl.constexpr(STREAM_SAMPLE)
 ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -34,8 +34,9 @@ class Strided(NamedTuple):
 
 class Randomness(NamedTuple):
     """In a kernel: the uniforms of a batch, Philox keys (``seed``, ``offset``: int64 ``[B]``; the kernel
-    computes the uniforms at the counters of :mod:`specsampler.rng`), or the uniforms themselves (``u_accept``,
-    ``u_sample``: float32 ``[B, n]`` by draw index, rows ``*_stride`` apart). None where unused."""
+    computes the uniforms at the counters of :mod:`specsampler.rng`) where ``philox`` is 1, or the uniforms
+    themselves (``u_accept``, ``u_sample``: float32 ``[B, n]`` by draw index, rows ``*_stride`` apart) where it
+    is 0. The side not used holds stand-ins, never read (:func:`randomness`)."""
 
     seed: object
     offset: object
@@ -43,6 +44,7 @@ class Randomness(NamedTuple):
     u_accept_stride: object
     u_sample: object
     u_sample_stride: object
+    philox: object
 
 
 class LogitRows(NamedTuple):
@@ -75,6 +77,13 @@ class RowConfig(NamedTuple):
 
 
 @triton.jit
+def strided(data, stride_b, stride_row, ALIGNED: tl.constexpr):
+    """A :class:`Strided` of run-time strides, marked multiples of 16 when ``ALIGNED``
+    (:func:`specsampler.kernels.rows.row_stride`)."""
+    return Strided(data, row_stride(stride_b, ALIGNED), row_stride(stride_row, ALIGNED))
+
+
+@triton.jit
 def row_ptr(t, b, i):
     """Row ``i`` of request ``b`` of a :class:`Strided` tensor."""
     return t.data + b * t.stride_b + i * t.stride_row
@@ -90,27 +99,28 @@ def mask_row(rows, logits_row, b, i, HAS_MASK: tl.constexpr):
 @triton.jit
 def scratch_rows(rows, p, ROWS: tl.constexpr):
     """The scratch rows (float32, int64) of program (or row) ``p`` in :class:`LogitRows` ``rows``."""
-    return rows.fscratch + p * (3 * ROWS.NCH_P2), rows.iscratch + p * (2 * ROWS.CAND)
+    return rows.fscratch + p * (3 * ROWS.NCH_P2), rows.iscratch + p * (3 * ROWS.CAND)
 
 
 @triton.jit
-def request_keys(randomness, b, PHILOX: tl.constexpr):
+def request_keys(randomness, b):
     """Request ``b``'s keys for :func:`uniform`: ``(b, seed, offset)``, the Philox keys loaded once (int64
-    scalars; 0 without ``PHILOX``)."""
-    seed = 0
-    offset = 0
-    if PHILOX:
+    scalars; 0 without Philox)."""
+    seed = tl.full((), 0, tl.int64)
+    offset = tl.full((), 0, tl.int64)
+    if randomness.philox != 0:
         seed = tl.load(randomness.seed + b)
         offset = tl.load(randomness.offset + b)
     return b, seed, offset
 
 
 @triton.jit
-def uniform(randomness, keys, index, STREAM: tl.constexpr, PHILOX: tl.constexpr):
+def uniform(randomness, keys, index, STREAM: tl.constexpr):
     """The request's uniform at draw ``index`` of ``STREAM`` (``keys``: :func:`request_keys`): Philox
     in-kernel, or the given ``u_accept`` / ``u_sample`` at ``index``."""
     b, seed, offset = keys
-    if PHILOX:
+    u = tl.full((), 0.0, tl.float32)
+    if randomness.philox != 0:
         u = tl.sum(philox_uniform(seed, offset, index, STREAM), 0)
     elif STREAM == ACCEPT:
         u = tl.load(randomness.u_accept + b * randomness.u_accept_stride + index)
@@ -140,10 +150,13 @@ def describe(rows, r, logits_row, mask_row, V, fscratch_row, iscratch_row, HAS_M
     """The descriptor of a row of logits whose parameters are at index ``r`` of :class:`LogitRows` ``rows``
     (:func:`specsampler.kernels.describe.describe_row`): the tuple ``(m, inv_t, tau, id_cut, w_min, z, in_regs,
     cand_ids, cand_w)``, in fixed types (a descriptor is carried through loops)."""
-    m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w = describe_row(
+    cand_row = iscratch_row + 2 * ROWS.CAND  # row_scratch's third part
+    m, inv_t, tau, id_cut, w_min, z, in_regs = describe_row(
         logits_row, mask_row, V, tl.load(rows.temperature + r), tl.load(rows.top_k + r), tl.load(rows.top_p + r),
-        tl.load(rows.min_p + r), fscratch_row, iscratch_row, HAS_MASK, ROWS.CHUNK, ROWS.BLOCK_CHUNKS, ROWS.NCH_P2,
-        ROWS.CAND, ROWS.NUCLEUS, ROWS.GROUP, ROWS.SEARCH_BLOCK, ROWS.NPIV)
+        tl.load(rows.min_p + r), fscratch_row, iscratch_row, cand_row, HAS_MASK, ROWS.CHUNK, ROWS.BLOCK_CHUNKS,
+        ROWS.NCH_P2, ROWS.CAND, ROWS.NUCLEUS, ROWS.GROUP, ROWS.SEARCH_BLOCK, ROWS.NPIV)
+    tl.debug_barrier()  # the kept tokens stored by all threads
+    cand_ids, cand_w = unpack_candidates(cand_row, ROWS.CAND)
     return fixed_types(m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w)
 
 
@@ -173,6 +186,19 @@ def draw_from(u, d, logits_row, mask_row, V, fscratch_row, HAS_MASK: tl.constexp
                 fscratch_row, HAS_MASK, ROWS.CHUNK, ROWS.NCH_P2)
 
 
+def aligned_rows(*tensors: Tensor | None) -> bool:
+    """Whether every row of these ``[..., V]`` tensors (None: none) starts a multiple of 16 elements from the
+    first: the kernels' ``ALIGNED`` (:func:`specsampler.kernels.rows.aligned_strides`)."""
+    return aligned_strides(*(s for t in tensors if t is not None for s in t.stride()[:-1]))
+
+
+def row_parameters(temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> tuple[Tensor, ...]:
+    """Per-row parameters as the kernels take them: float32, int64, float32, float32, contiguous (copied only
+    when they are not)."""
+    return (temperature.to(torch.float32).contiguous(), top_k.to(torch.int64).contiguous(),
+            top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous())
+
+
 def last_dim_contiguous(t: Tensor) -> Tensor:
     """``t`` with a contiguous last dimension (copied only when it is not)."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -194,9 +220,10 @@ def logit_rows(logits: Tensor, vocab_mask: Tensor | None, temperature: Tensor, t
         mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mask_strides = (mask.stride(0) * logits.shape[1], mask.stride(0)) if mask.dim() == 2 else strides(mask)
     fscratch, iscratch = row_scratch(programs, cfg, logits.device)
+    temperature, top_k, top_p, min_p = row_parameters(temperature, top_k, top_p, min_p)
     return dict(vocab_mask_ptr=mask, vocab_mask_stride_b=mask_strides[0], vocab_mask_stride_row=mask_strides[1],
-                temperature_ptr=temperature.contiguous(), top_k_ptr=top_k.contiguous(), top_p_ptr=top_p.contiguous(),
-                min_p_ptr=min_p.contiguous(), fscratch_ptr=fscratch, iscratch_ptr=iscratch)
+                temperature_ptr=temperature, top_k_ptr=top_k, top_p_ptr=top_p, min_p_ptr=min_p, fscratch_ptr=fscratch,
+                iscratch_ptr=iscratch)
 
 
 # the kernel arguments of logit_rows for a kernel reading probabilities
@@ -214,19 +241,28 @@ def check_randomness(op: str, method: str, seed, u_accept: Tensor | None, u_samp
     return philox
 
 
+def stand_in(dtype: torch.dtype, device) -> Tensor:
+    """An empty tensor for a pointer argument that a launch does not read: the kernel is compiled for the
+    pointer's type whether or not the launch has the tensor (None would be a compile-time constant, and a
+    second compiled kernel)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
 def randomness(seed, offset, u_accept: Tensor | None, u_sample: Tensor | None, B: int, device) -> dict:
     """The kernel arguments of a :class:`Randomness`: with ``seed``, the Philox keys as int64 ``[B]`` (ints
-    broadcast, offset None = 0), else the given uniforms as contiguous float32 with their row strides."""
+    broadcast, offset None = 0), else the given uniforms as contiguous float32 with their row strides; stand-ins
+    (:func:`stand_in`) for the rest."""
+    floats, ints = stand_in(torch.float32, device), stand_in(torch.int64, device)
     if seed is None:
-        ua = None if u_accept is None else u_accept.float().contiguous()
-        us = None if u_sample is None else u_sample.float().contiguous()
-        return dict(seed_ptr=None, offset_ptr=None, u_accept_ptr=ua, u_accept_stride=0 if ua is None else ua.stride(0),
-                    u_sample_ptr=us, u_sample_stride=0 if us is None else us.stride(0))
+        ua = floats if u_accept is None else u_accept.float().contiguous()
+        us = floats if u_sample is None else u_sample.float().contiguous()
+        return dict(seed_ptr=ints, offset_ptr=ints, u_accept_ptr=ua, u_accept_stride=ua.stride(0), u_sample_ptr=us,
+                    u_sample_stride=us.stride(0), philox=0)
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device).expand(B).contiguous()
     offset = torch.zeros_like(seed) if offset is None else (
         torch.as_tensor(offset, dtype=torch.int64, device=device).expand(B).contiguous())
-    return dict(seed_ptr=seed, offset_ptr=offset, u_accept_ptr=None, u_accept_stride=0, u_sample_ptr=None,
-                u_sample_stride=0)
+    return dict(seed_ptr=seed, offset_ptr=offset, u_accept_ptr=floats, u_accept_stride=0, u_sample_ptr=floats,
+                u_sample_stride=0, philox=1)
 
 
 def block_size(block_v: int, V: int) -> int:

@@ -16,7 +16,7 @@ from .rows import STAGES, in_prefix, key_value, load_logits, order_key
 
 _INT32_MIN = tl.constexpr(-(2**31))  # below every order key
 _INT32_MAX = tl.constexpr(2**31 - 1)
-_EMPTY = tl.constexpr(-(2**63))  # an empty candidate slot: after every packed candidate (descending)
+_LAST = tl.constexpr(2**63 - 1)  # a sort's padding: after every entry (sorts are ascending)
 _NO_CAND = tl.constexpr((2**31 - 1) << 32)  # a kept-token slot without a token (id order): id 2**31 - 1, weight 0
 _WIDE_KEYS = tl.constexpr(1 << 24)  # a key range over more than two binades: pivots go by value
 
@@ -24,38 +24,41 @@ _WIDE_KEYS = tl.constexpr(1 << 24)  # a key range over more than two binades: pi
 @triton.jit
 def append_candidates(iscratch_row, n, sel, key, ids, CAND: tl.constexpr):
     """Append the selected entries of a 2-D tile to the candidate list at ``iscratch_row[n:CAND]`` as
-    packed int64 ``key << 32 | (2**31 - 1 - id)``, larger = earlier in order (the low word is computed
-    as ``id ^ (2**31 - 1)``); returns the new count (which may exceed CAND: entries past it are dropped)."""
+    int64 ``~(key << 32 | (2**31 - 1 - id))``, smaller = earlier in order (the low word is computed as
+    ``id ^ (2**31 - 1)``; the complement makes the order ascending, the one direction the sorts have);
+    returns the new count (which may exceed CAND: entries past it are dropped)."""
     s = sel.to(tl.int32)
     per_row = tl.sum(s, axis=1)
     pos = n + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(s, axis=1) - 1
     packed = (key.to(tl.int64) << 32) | (ids ^ _INT32_MAX).to(tl.int64)
-    tl.store(iscratch_row + pos, packed, mask=sel & (pos < CAND))
+    tl.store(iscratch_row + pos, ~packed, mask=sel & (pos < CAND))
     return n + tl.sum(per_row, axis=0)
 
 
-@triton.jit
-def _sort_in_place(iscratch_row, n, pad, SIZE: tl.constexpr, DESCENDING: tl.constexpr):
-    """Sort ``iscratch_row[:n]`` (int64, ``n <= SIZE``) in place, in registers of ``SIZE`` slots."""
+@triton.jit(noinline=True)
+def _sort_in_place(iscratch_row, n, SIZE: tl.constexpr):
+    """Sort ``iscratch_row[:n]`` (int64, ``n <= SIZE``) in place, ascending, in registers of ``SIZE`` slots.
+    Not inlined: one copy of each size serves every caller, which keeps the kernels' compile time in
+    seconds (a sort is the largest code in them), for a call per sort."""
     j = tl.arange(0, SIZE)
-    v = tl.sort(tl.load(iscratch_row + j, mask=j < n, other=pad), descending=DESCENDING)
+    v = tl.sort(tl.load(iscratch_row + j, mask=j < n, other=_LAST))
     tl.debug_barrier()  # every thread has loaded before any stores
     tl.store(iscratch_row + j, v, mask=j < n)
 
 
 @triton.jit
-def sorted_prefix(iscratch_row, n, pad, DESCENDING: tl.constexpr, CAND: tl.constexpr):
-    """``iscratch_row[:n]`` (int64, ``n <= CAND``, stored before a barrier) sorted, then ``pad`` (which sorts
-    after them): ``[CAND]``; rewrites ``iscratch_row[:n]``. Sorted in ``CAND / 4`` or ``CAND / 2`` slots when
-    ``n`` fits, then read back at full size: a sort's steps and barriers grow with its size (sm_90, 8 warps,
-    loading, sorting and storing 64 int64: 248 instructions, 2 barriers; 256: 456 and 17), and a top-k of
-    50 or its kept tokens nearly always fit in 64."""
+def sorted_prefix(iscratch_row, n, pad, CAND: tl.constexpr):
+    """``iscratch_row[:n]`` (int64, ``n <= CAND``, stored before a barrier) sorted ascending, then ``pad``:
+    ``[CAND]``; rewrites ``iscratch_row[:n]``. Sorted in ``CAND / 4`` or ``CAND / 2`` slots when ``n`` fits,
+    then read back at full size: a sort's steps and barriers grow with its size (sm_90, 8 warps, loading,
+    sorting and storing 64 int64: 248 instructions, 2 barriers; 256: 456 and 17), and a top-k of 50 or its
+    kept tokens nearly always fit in 64."""
     if n <= CAND // 4:
-        _sort_in_place(iscratch_row, n, pad, CAND // 4, DESCENDING)
+        _sort_in_place(iscratch_row, n, CAND // 4)
     elif n <= CAND // 2:
-        _sort_in_place(iscratch_row, n, pad, CAND // 2, DESCENDING)
+        _sort_in_place(iscratch_row, n, CAND // 2)
     else:
-        _sort_in_place(iscratch_row, n, pad, CAND, DESCENDING)
+        _sort_in_place(iscratch_row, n, CAND)
     tl.debug_barrier()
     j = tl.arange(0, CAND)
     return tl.load(iscratch_row + j, mask=j < n, other=pad)
@@ -63,14 +66,14 @@ def sorted_prefix(iscratch_row, n, pad, DESCENDING: tl.constexpr, CAND: tl.const
 
 @triton.jit
 def sorted_candidates(iscratch_row, n, CAND: tl.constexpr):
-    """The first ``n`` packed candidates, sorted in order (logit desc, id asc), then empty slots;
-    unpacked: (ids int32, logits float32) ``[CAND]``."""
-    packed = sorted_prefix(iscratch_row, n, _EMPTY, True, CAND)
+    """The first ``n`` candidates of :func:`append_candidates`, sorted in order (logit desc, id asc), then
+    empty slots (id 2**31 - 1); unpacked: (ids int32, logits float32) ``[CAND]``."""
+    packed = ~sorted_prefix(iscratch_row, n, _LAST, CAND)
     ids = (packed & _INT32_MAX).to(tl.int32) ^ _INT32_MAX
     return ids, key_value((packed >> 32).to(tl.int32))
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def top_candidates(logits_row, mask_row, V, k, fscratch_row, iscratch_row, HAS_MASK: tl.constexpr,
                    CHUNK: tl.constexpr, NCH_P2: tl.constexpr, GROUP: tl.constexpr, CAND: tl.constexpr):
     """Gather the k most likely tokens (and the next ones down to a bound) using pass 1's chunk maxima.
@@ -146,7 +149,7 @@ def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, iscra
     tl.debug_barrier()  # the candidates have been read
     tl.store(iscratch_row + pos, packed, mask=keep)
     tl.debug_barrier()
-    packed = sorted_prefix(iscratch_row, tl.sum(keep.to(tl.int32), axis=0), _NO_CAND, False, CAND)
+    packed = sorted_prefix(iscratch_row, tl.sum(keep.to(tl.int32), axis=0), _NO_CAND, CAND)
     cand_ids = (packed >> 32).to(tl.int32)
     cand_w = (packed & _INT32_MAX).to(tl.int32).to(tl.float32, bitcast=True)
     reached = (top_p >= 1.0) | (mass >= target)
@@ -209,7 +212,7 @@ def _tie_cut(logits_row, mask_row, V, m, inv_t, by_count, target, s_hi, tau, tau
     return id_cut
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def select_pivot(logits_row, mask_row, V, m, inv_t, by_count, target, tau0, id0, lo, hi, iscratch_row,
                  HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, CAND: tl.constexpr,
                  SEARCH_BLOCK: tl.constexpr, NPIV: tl.constexpr):

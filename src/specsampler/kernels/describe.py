@@ -30,14 +30,15 @@ _UNDERFLOW = tl.constexpr(110.0)  # exp(-110) rounds to 0 in float32: logits bel
 
 
 @triton.jit
-def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscratch_row, iscratch_row,
+def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscratch_row, iscratch_row, cand_out,
                  HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr,
                  CAND: tl.constexpr, NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                  NPIV: tl.constexpr):
     """The processed distribution of one row: its descriptor.
 
     temperature float32 (0 = greedy), top_k int (<= 0 or >= V: off), top_p float32 (>= 1: off),
-    min_p float32: scalars. Returns (m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w).
+    min_p float32: scalars. Returns (m, inv_t, tau, id_cut, w_min, z, in_regs) and stores the kept tokens at
+    ``cand_out`` (int64 ``[CAND]``, read by :func:`unpack_candidates`).
 
     "Order" is (logit desc, id asc). One row and its parameters are described by six scalars:
 
@@ -58,8 +59,9 @@ def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscr
 
     The descriptor's scalars are ``m, inv_t, tau, id_cut, w_min, z``; when ``in_regs`` (greedy rows and rows
     whose kept set was found among at most ``CAND`` candidates: the usual top-k / small nucleus case), the kept
-    tokens are in registers: ``cand_ids`` int32 ``[CAND]`` in increasing id order, padded with 2**31 - 1, and their
-    weights ``cand_w`` float32 ``[CAND]`` (0 at the padding). Otherwise the per-chunk kept masses are in
+    tokens are at ``cand_out``, which :func:`unpack_candidates` turns into registers: ``cand_ids`` int32 ``[CAND]``
+    in increasing id order, padded with 2**31 - 1, and their weights ``cand_w`` float32 ``[CAND]`` (0 at the
+    padding). Otherwise the per-chunk kept masses are in
     ``fscratch_row`` for :func:`draw`. Reads the row once in the common cases (greedy, plain temperature, top-k <=
     CAND with or without top-p, a nucleus among the 64-ish most likely tokens); min-p without top-k/top-p takes a
     second pass, a large nucleus (or top-k > CAND) a few more. :func:`describe_row_in_parts` does the same after
@@ -67,10 +69,11 @@ def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscr
 
     Scratch (:func:`specsampler.kernels.rows.row_scratch`): per program, reused row after row: ``fscratch`` float32
     ``[3 * NCH_P2]`` (chunk maxima, chunk sums of exp relative to the chunk maximum, kept chunk masses) and
-    ``iscratch`` int64 ``[2 * CAND]`` (packed candidates, then the kept tokens for their sort by id; chunk ids). The
-    functions put ``tl.debug_barrier`` around it: call them from uniform control flow (a branch on row-level scalars
-    is fine). ``rows.row_config(V)`` gives the constexprs; pass them by name (``**cfg``) to the kernel and on to
-    ``describe_row`` / ``draw``.
+    ``iscratch`` int64, its first ``2 * CAND`` (packed candidates, then the kept tokens for their sort by id; chunk
+    ids). The functions put ``tl.debug_barrier`` around it: call them from uniform control flow (a branch on
+    row-level scalars is fine). ``rows.row_config(V)`` gives the constexprs; pass them by name (``**cfg``) to the
+    kernel and on to ``describe_row`` / ``draw``. Not inlined (:func:`describe_row_in_parts`): one copy of the
+    function serves every place a kernel describes a row, which keeps compiling a kernel to seconds.
 
     How (invariants are commented in the code): pass 1 takes the row max and argmax and stores the
     maxima (and, where needed, exp-sums) of chunks of ``CHUNK`` tokens. Top-k: the k-th largest logit
@@ -85,13 +88,13 @@ def describe_row(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscr
     picks the cut).
     """
     return describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscratch_row,
-                                 iscratch_row, fscratch_row, iscratch_row, 0, HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2,
-                                 CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
+                                 iscratch_row, cand_out, fscratch_row, iscratch_row, 0, HAS_MASK, CHUNK, BLOCK_CHUNKS,
+                                 NCH_P2, CAND, NUCLEUS, GROUP, SEARCH_BLOCK, NPIV)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, min_p, fscratch_row, iscratch_row,
-                          part_m_row, part_arg_row, parts, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+                          cand_out, part_m_row, part_arg_row, parts, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
                           BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr, CAND: tl.constexpr,
                           NUCLEUS: tl.constexpr, GROUP: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                           NPIV: tl.constexpr):
@@ -137,30 +140,32 @@ def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, mi
                     cand_ids = r_ids
                     cand_w = r_w
             if in_regs == 0:
-                if top_k_on:
-                    tau, id_cut = select_pivot(logits_row, mask_row, V, m, inv_t, True, k.to(tl.float32),
-                                               float("-inf"), V, c_key.to(tl.int64), max_key, iscratch_row,
-                                               HAS_MASK, CHUNK, BLOCK_CHUNKS, CAND, SEARCH_BLOCK, NPIV)
-                    if top_p_on:
-                        z_k = kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, 0.0, False, fscratch_row,
-                                        HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
-                        tau, id_cut = select_pivot(logits_row, mask_row, V, m, inv_t, False, top_p * z_k, tau,
-                                                   id_cut, order_key(tau).to(tl.int64), max_key, iscratch_row,
-                                                   HAS_MASK, CHUNK, BLOCK_CHUNKS, CAND, SEARCH_BLOCK, NPIV)
-                else:
-                    # a large nucleus. Tokens below m - s T weigh at most e^-s each: with s = ln(V / (1 - top_p)) + 1
-                    # they hold at most (1 - top_p) / e of the row's mass z (>= 1, the largest token's weight), so
-                    # S(lo) >= top_p z with a margin far above rounding when 1 - top_p >= 1e-3 (else s = 110:
-                    # below, every weight rounds to 0); a tighter bracket saves the search passes
-                    spread = tl.where(top_p <= 0.999, tl.log(V / (1.0 - top_p)) + 1.0, _UNDERFLOW)
-                    lo = order_key(m - (1.0 / inv_t) * tl.minimum(spread, _UNDERFLOW)).to(tl.int64)
-                    tau, id_cut = select_pivot(logits_row, mask_row, V, m, inv_t, False, top_p * z_all,
-                                               float("-inf"), V, lo, max_key, iscratch_row,
-                                               HAS_MASK, CHUNK, BLOCK_CHUNKS, CAND, SEARCH_BLOCK, NPIV)
+                # a search over the row: top-k by count, then (with top-p) by mass within the top-k prefix; a
+                # large nucleus by mass. The nucleus's bound: tokens below m - s T weigh at most e^-s each: with
+                # s = ln(V / (1 - top_p)) + 1 they hold at most (1 - top_p) / e of the row's mass z (>= 1, the
+                # largest token's weight), so S(lo) >= top_p z with a margin far above rounding when
+                # 1 - top_p >= 1e-3 (else s = 110: below, every weight rounds to 0); a tighter bracket saves
+                # the search passes
+                spread = tl.where(top_p <= 0.999, tl.log(V / (1.0 - top_p)) + 1.0, _UNDERFLOW)
+                nucleus_lo = order_key(m - (1.0 / inv_t) * tl.minimum(spread, _UNDERFLOW)).to(tl.int64)
+                target = tl.where(top_k_on, k.to(tl.float32), top_p * z_all)
+                lo = tl.where(top_k_on, c_key.to(tl.int64), nucleus_lo)
+                tau0 = tau
+                id0 = id_cut
+                for step in range(tl.where(top_k_on & top_p_on, 2, 1)):
+                    if step == 1:  # top-p within the top-k prefix found by the first step
+                        target = top_p * kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, 0.0, fscratch_row,
+                                                   HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+                        lo = order_key(tau).to(tl.int64)
+                        tau0 = tau
+                        id0 = id_cut
+                    tau, id_cut = select_pivot(logits_row, mask_row, V, m, inv_t, top_k_on & (step == 0), target, tau0,
+                                               id0, lo, max_key, iscratch_row, HAS_MASK, CHUNK, BLOCK_CHUNKS, CAND,
+                                               SEARCH_BLOCK, NPIV)
         if in_regs == 0:
             if top_k_on | top_p_on | (w_min > 0.0):
-                z = kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, True, fscratch_row,
-                              HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
+                z = kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, fscratch_row, HAS_MASK, CHUNK,
+                              BLOCK_CHUNKS, NCH_P2)
             else:
                 z = z_all  # masses_from_sums stored the chunk masses
             tl.debug_barrier()
@@ -171,7 +176,16 @@ def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, mi
         id_cut = tl.where(keeps, id_cut, -1)
         z = tl.where(keeps, z, 0.0)
         cand_w = tl.where(keeps, cand_w, 0.0)
-    return m, inv_t, tau, id_cut, w_min, z, in_regs, cand_ids, cand_w
+    tl.store(cand_out + j, (cand_ids.to(tl.int64) << 32) | cand_w.to(tl.int32, bitcast=True).to(tl.int64))
+    return m, inv_t, tau, id_cut, w_min, z, in_regs
+
+
+@triton.jit
+def unpack_candidates(cand_row, CAND: tl.constexpr):
+    """The kept tokens that :func:`describe_row` stored at ``cand_row`` (int64 ``[CAND]``, each
+    ``id << 32 | weight's float32 bits``): (cand_ids int32, cand_w float32) ``[CAND]``."""
+    packed = tl.load(cand_row + tl.arange(0, CAND))
+    return (packed >> 32).to(tl.int32), (packed & 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -51,7 +51,8 @@ def _write_residual(m_row, q_row, V, mass, BLOCK_V: tl.constexpr):
         tl.store(m_row + offs, tl.maximum(m - q, 0.0) / mass, mask=offs < V)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_dp", "stride_dt", "stride_fc", "stride_ns", "stride_u"],
+            do_not_specialize_on_alignment=["dt_ptr", "fc_ptr", "ns_ptr", "u_ptr", "pp_ptr"])
 def _spec_verify_kernel(
     dp_ptr,  # float [N, V], last dim contiguous: draft_probs
     dt_ptr,  # int [N]: draft_tokens

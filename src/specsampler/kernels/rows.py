@@ -67,6 +67,14 @@ def launch_options(num_warps: int) -> dict:
     return dict(num_warps=num_warps) if regs >= 255 else dict(num_warps=num_warps, maxnreg=regs)
 
 
+def aligned_strides(*strides: int) -> bool:
+    """Whether the row strides are all multiples of 16: a kernel's ``ALIGNED`` (:func:`row_stride`). Strides and
+    sizes are run-time kernel arguments, not specialised on, so that a kernel is compiled once whatever the
+    batch, chain or tree shape; this flag keeps what the compiler would have learnt from them for the loads.
+    For a model's logits (fixed V, rows contiguous) it is fixed."""
+    return all(s % 16 == 0 for s in strides)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -96,11 +104,20 @@ def row_config(V: int, *, chunk: int = 64, cand: int = 256, nucleus: int = 64, b
 
 
 def row_scratch(programs: int, cfg: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scratch of ``programs`` programs: float32 ``[programs, 3 * NCH_P2]``, int64 ``[programs, 2 * CAND]``."""
+    """The scratch of ``programs`` programs: float32 ``[programs, 3 * NCH_P2]``, int64 ``[programs, 3 * CAND]``
+    (candidates and their sorts in ``[:2 * CAND]``, a described row's kept tokens in ``[2 * CAND:]``)."""
     return (
         torch.empty(programs, 3 * cfg["NCH_P2"], dtype=torch.float32, device=device),
-        torch.empty(programs, 2 * cfg["CAND"], dtype=torch.int64, device=device),
+        torch.empty(programs, 3 * cfg["CAND"], dtype=torch.int64, device=device),
     )
+
+
+def multiprocessors(device: torch.device) -> int | None:
+    """The streaming multiprocessors of a CUDA device, None for any other (the interpreter): the launchers'
+    size decisions (:func:`parts_per_row`, the chain's rows in parallel) are functions of it."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def parts_per_row(rows: int, V: int, cfg: dict, device: torch.device) -> int:
@@ -109,9 +126,10 @@ def parts_per_row(rows: int, V: int, cfg: dict, device: torch.device) -> int:
     :data:`MAX_PARTS`, when that is at least 2. One program per row reads a row at the rate one SM draws,
     so a small batch (sampling at B=1 or 64 of a 132-SM GPU, a chain's 5 rows at B=1) would leave most
     of the GPU idle. Off a GPU (the interpreter), never."""
-    if device.type != "cuda":
+    sms = multiprocessors(device)
+    if sms is None:
         return 0
-    slots = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    slots = PROGRAMS_PER_SM * sms
     parts = min(slots // max(rows, 1), triton.cdiv(V, cfg["BLOCK_CHUNKS"] * cfg["CHUNK"]), MAX_PARTS.value)
     return parts if parts >= 2 else 0
 
@@ -138,13 +156,23 @@ def scan_parts(logits: torch.Tensor, strides: tuple[int, int], vocab_mask: torch
         vocab_mask_stride_b=mask_strides[0], vocab_mask_stride_row=mask_strides[1], num_drafts_ptr=num_drafts,
         temperature_ptr=None if greedy else temperature, top_k_ptr=None if greedy else top_k, part_m_ptr=part_m,
         part_arg_ptr=part_arg, fscratch_ptr=fscratch, K1=K1, V=V, parts=parts, GREEDY=greedy,
-        HAS_ND=num_drafts is not None, HAS_MASK=vocab_mask is not None, CHUNK=cfg["CHUNK"],
+        HAS_ND=num_drafts is not None, HAS_MASK=vocab_mask is not None,
+        ALIGNED=aligned_strides(*strides, *mask_strides), CHUNK=cfg["CHUNK"],
         BLOCK_CHUNKS=cfg["BLOCK_CHUNKS"], NCH_P2=cfg["NCH_P2"], **launch_options(8),
         enable_fp_fusion=False)  # compiled as the kernels that finish the pass are
     return part_m, part_arg, parts
 
 
 # ----------------------------------------------------------------------------- elements
+
+
+@triton.jit
+def row_stride(stride, ALIGNED: tl.constexpr):
+    """A row stride, a run-time argument, marked a multiple of 16 when ``ALIGNED`` (:func:`aligned_strides`):
+    rows then start 16-element aligned, and their loads are vectorised."""
+    if ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    return stride
 
 
 @triton.jit
@@ -233,7 +261,7 @@ def scan_row(logits_row, mask_row, V, inv_t, need_sums, fscratch_row,
     return m, tl.where(arg < V, arg, 0)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def scan_part(logits_row, mask_row, V, lo, hi, inv_t, need_sums, fscratch_row,
               HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
     """Pass 1 over the tokens ``[lo, hi)`` of a row (``lo`` a multiple of the tile, ``BLOCK_CHUNKS * CHUNK``;
@@ -289,7 +317,10 @@ def first_pass(logits_row, mask_row, V, inv_t, need_sums, fscratch_row, part_m_r
     return row_max, arg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["logits_stride_b", "logits_stride_row", "vocab_mask_stride_b", "vocab_mask_stride_row",
+                               "K1", "parts"],
+            do_not_specialize_on_alignment=["num_drafts_ptr", "temperature_ptr", "top_k_ptr", "part_m_ptr",
+                                            "part_arg_ptr"])
 def _scan_parts_kernel(
     logits_ptr,  # float32/bf16/fp16 [B, K1, V] (or [R, V]), last dim contiguous
     logits_stride_b,
@@ -309,6 +340,7 @@ def _scan_parts_kernel(
     GREEDY: tl.constexpr,  # every row is greedy (the parameters are not read)
     HAS_ND: tl.constexpr,  # num_drafts_ptr is given
     HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    ALIGNED: tl.constexpr,  # the strides are multiples of 16 (aligned_strides)
     CHUNK: tl.constexpr,  # row_config's
     BLOCK_CHUNKS: tl.constexpr,
     NCH_P2: tl.constexpr,
@@ -327,9 +359,10 @@ def _scan_parts_kernel(
         tile = BLOCK_CHUNKS * CHUNK
         per = tl.cdiv(tl.cdiv(V, tile), parts) * tile
         lo = tl.minimum(s * per, V)
-        logits_row = logits_ptr + b * logits_stride_b + i * logits_stride_row
+        logits_row = logits_ptr + b * row_stride(logits_stride_b, ALIGNED) + i * row_stride(logits_stride_row, ALIGNED)
         # without a mask the logits row, never read as one
-        mask_row = vocab_mask_ptr + b * vocab_mask_stride_b + i * vocab_mask_stride_row if HAS_MASK else logits_row
+        mask_row = (vocab_mask_ptr + b * row_stride(vocab_mask_stride_b, ALIGNED)
+                    + i * row_stride(vocab_mask_stride_row, ALIGNED)) if HAS_MASK else logits_row
         m, arg = scan_part(logits_row, mask_row, V, lo, tl.minimum(lo + per, V), inv_t, sampled & (top_k_on == 0),
                            fscratch_ptr + r * (3 * NCH_P2), HAS_MASK, CHUNK, BLOCK_CHUNKS, NCH_P2)
         tl.store(part_m_ptr + r * parts + s, m)
@@ -350,11 +383,11 @@ def masses_from_sums(fscratch_row, V, m, inv_t, write, CHUNK: tl.constexpr, NCH_
     return tl.sum(mass, axis=0)
 
 
-@triton.jit
-def kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, write, fscratch_row,
+@triton.jit(noinline=True)
+def kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, fscratch_row,
               HAS_MASK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, NCH_P2: tl.constexpr):
-    """A pass summing the kept weights: returns z; if ``write``, stores each chunk's kept mass at
-    ``fscratch_row[2 * NCH_P2 + c]``."""
+    """A pass summing the kept weights: returns z; stores each chunk's kept mass at
+    ``fscratch_row[2 * NCH_P2 + c]`` (for the draw)."""
     n_chunks = tl.cdiv(V, CHUNK)
     local = tl.arange(0, BLOCK_CHUNKS)
     tile = local[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
@@ -363,8 +396,7 @@ def kept_mass(logits_row, mask_row, V, m, inv_t, tau, id_cut, w_min, write, fscr
         offs = start + tile
         x = load_logits(logits_row, mask_row, offs, V, HAS_MASK)
         mass = tl.sum(kept_weights(x, offs, m, inv_t, tau, id_cut, w_min), axis=1)
-        if write:
-            chunk = start // CHUNK + local
-            tl.store(fscratch_row + 2 * NCH_P2 + chunk, mass, mask=chunk < n_chunks)
+        chunk = start // CHUNK + local
+        tl.store(fscratch_row + 2 * NCH_P2 + chunk, mass, mask=chunk < n_chunks)
         z += tl.sum(mass, axis=0)
     return z

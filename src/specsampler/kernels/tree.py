@@ -26,7 +26,7 @@ from .common import (
     LogitRows,
     Randomness,
     RowConfig,
-    Strided,
+    aligned_rows,
     argmax,
     block_size,
     check_randomness,
@@ -39,6 +39,7 @@ from .common import (
     request_keys,
     row_ptr,
     scratch_rows,
+    strided,
     strides,
     uniform,
 )
@@ -156,7 +157,7 @@ def _node_rows(target, rows, b, v, FROM_LOGITS: tl.constexpr, HAS_MASK: tl.const
 
 @triton.jit
 def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V, GREEDY: tl.constexpr,
-                FROM_LOGITS: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+                FROM_LOGITS: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
                 ROWS: tl.constexpr):
     """greedy / target_only (:func:`specsampler.verify.walks.walk_draws`; plain loop
     :func:`specsampler.verify.reference.tree_draws`): y at the current node (the argmax, or the draw: from logits
@@ -173,7 +174,7 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
             if GREEDY:
                 y = argmax(row, V, BLOCK_V).to(tl.int64)
             else:
-                y = _invert(row, row, 0, 1.0, uniform(randomness, keys, v, SAMPLE, PHILOX), V, BLOCK_V)
+                y = _invert(row, row, 0, 1.0, uniform(randomness, keys, v, SAMPLE), V, BLOCK_V)
         else:
             fscratch_row, iscratch_row = scratch_rows(rows, b, ROWS)
             if GREEDY:
@@ -182,7 +183,7 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
                 y = arg.to(tl.int64)
             else:
                 d = describe(rows, b * N + v, row, vocab_mask_row, V, fscratch_row, iscratch_row, HAS_MASK, ROWS)
-                token, _ = draw_from(uniform(randomness, keys, v, SAMPLE, PHILOX), d, row, vocab_mask_row, V,
+                token, _ = draw_from(uniform(randomness, keys, v, SAMPLE), d, row, vocab_mask_row, V,
                                      fscratch_row, HAS_MASK, ROWS)
                 y = token.to(tl.int64)
         found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
@@ -196,7 +197,7 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
 
 @triton.jit
 def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N, V,
-              FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+              FROM_LOGITS: tl.constexpr, WO: tl.constexpr, HAS_MASK: tl.constexpr,
               BLOCK_V: tl.constexpr, ROWS: tl.constexpr):
     """Recursive rejection sampling down the tree (:func:`specsampler.verify.walks.walk_rrs`; plain loop
     :func:`specsampler.verify.reference.tree_rrs`).
@@ -252,7 +253,7 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
             else:
                 r_x = _target(target_row, vocab_mask_row, scratch + r_buf * V, r_held, r_div, xc, V, m, inv_t, tau,
                               cut, w_min, z, FROM_LOGITS, HAS_MASK)
-            u = uniform(randomness, keys, kid, ACCEPT, PHILOX)
+            u = uniform(randomness, keys, kid, ACCEPT)
             if inside & (u * q_x < r_x):
                 chosen = kid
             else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
@@ -300,7 +301,7 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
             path = tl.where(slots == n, chosen, path)
             v = chosen
         else:
-            u = uniform(randomness, keys, v, SAMPLE, PHILOX)
+            u = uniform(randomness, keys, v, SAMPLE)
             if regs != 0:
                 y = _draw_in_regs(u, cand_ids, r_vec)
             elif r_held != 0:
@@ -318,7 +319,7 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
 
 @triton.jit
 def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N, V, D,
-                    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, PHILOX: tl.constexpr, HAS_MASK: tl.constexpr,
+                    FROM_LOGITS: tl.constexpr, WO: tl.constexpr, HAS_MASK: tl.constexpr,
                     BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Traversal verification (:func:`specsampler.verify.walks.walk_traversal`, its ``push`` and ``descend``;
     plain loop :func:`specsampler.verify.reference.tree_traversal`): the first leaf in depth-first order is
@@ -421,7 +422,7 @@ def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, n
             div = tl.full((), 1.0, tl.float32)
             pending = tl.load(fc_b + node)
             first = pending >= 0
-        accepted = (top == 0) | (uniform(randomness, keys, node, ACCEPT, PHILOX) < a_top)
+        accepted = (top == 0) | (uniform(randomness, keys, node, ACCEPT) < a_top)
         if ~accepted:  # delete the leaf; its parent (the new top): w = max(a Mb - q, 0), Mb = norm(w), a = ...
             leaf = node
             mb_buf = tl.where(slots == top, buf, mb_buf)  # the leaf's slot keeps its scratch row
@@ -479,7 +480,7 @@ def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, n
             first = pending < -1
         steps += 1
     target_row, vocab_mask_row = _node_rows(target, rows, b, node, FROM_LOGITS, HAS_MASK)
-    u = uniform(randomness, keys, node, SAMPLE, PHILOX)
+    u = uniform(randomness, keys, node, SAMPLE)
     y = tl.full((), 0, tl.int64)
     if FROM_LOGITS:
         if held != 0:
@@ -496,7 +497,13 @@ def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, n
     return path, top, y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["target_stride_b", "target_stride_row", "draft_probs_stride_b", "draft_probs_stride_row",
+                               "u_accept_stride", "u_sample_stride", "philox", "vocab_mask_stride_b",
+                               "vocab_mask_stride_row", "N", "D"],
+            do_not_specialize_on_alignment=["draft_tokens_ptr", "first_child_ptr", "next_sibling_ptr", "seed_ptr",
+                                            "offset_ptr", "u_accept_ptr", "u_sample_ptr", "temperature_ptr",
+                                            "top_k_ptr", "top_p_ptr", "min_p_ptr", "path_ptr", "num_accepted_ptr",
+                                            "y_ptr"])
 def _tree_kernel(
     target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
     target_stride_b,
@@ -507,12 +514,13 @@ def _tree_kernel(
     draft_tokens_ptr,  # int64 [B, N], contiguous: node v's token
     first_child_ptr,  # int64 [B, N], contiguous: -1 = none
     next_sibling_ptr,  # int64 [B, N], contiguous: -1 = none
-    seed_ptr,  # int64 [B] (PHILOX), else None
-    offset_ptr,  # int64 [B] (PHILOX), else None
-    u_accept_ptr,  # float32 [B, N] (rrs, traversal without PHILOX), else None
+    seed_ptr,  # int64 [B] (philox; else a stand-in, not read)
+    offset_ptr,  # int64 [B] (philox; else a stand-in)
+    u_accept_ptr,  # float32 [B, N] (rrs, traversal without philox), else a stand-in
     u_accept_stride,
-    u_sample_ptr,  # float32 [B, N] (without PHILOX, but greedy), else None
+    u_sample_ptr,  # float32 [B, N] (without philox, but greedy), else a stand-in
     u_sample_stride,
+    philox,  # 1: the uniforms come from Philox keys; 0: from u_accept / u_sample
     vocab_mask_ptr,  # uint8 [B * N, V] or [B, N, V], last dim contiguous (HAS_MASK), else None
     vocab_mask_stride_b,
     vocab_mask_stride_row,
@@ -521,7 +529,7 @@ def _tree_kernel(
     top_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
     min_p_ptr,  # float32 [B * N] (FROM_LOGITS), else None
     fscratch_ptr,  # float32 [B, 3 * NCH_P2]: rows.row_scratch (FROM_LOGITS), else None
-    iscratch_ptr,  # int64 [B, 2 * CAND] (FROM_LOGITS), else None
+    iscratch_ptr,  # int64 [B, 3 * CAND] (FROM_LOGITS), else None
     scratch_ptr,  # float32 [B, rows, V] (rrs, traversal: scratch()), else None
     path_ptr,  # out int64 [B, D+1]
     num_accepted_ptr,  # out int64 [B]
@@ -532,35 +540,37 @@ def _tree_kernel(
     METHOD: tl.constexpr,  # METHODS[method]
     FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
     WO: tl.constexpr,  # drafts drawn without replacement (rrs, traversal)
-    PHILOX: tl.constexpr,  # the uniforms come from Philox keys
+     # the uniforms come from Philox keys
     HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
+    ALIGNED: tl.constexpr,  # the row strides are multiples of 16 (rows.aligned_strides)
     BLOCK_V: tl.constexpr,  # vocabulary entries per block of the passes over probabilities and residuals
-    BLOCK_D: tl.constexpr,  # next_power_of_2(D + 2)
+    BLOCK_D: tl.constexpr,  # slots of the path (depth_slots: D + 2 at least)
     ROWS: tl.constexpr,  # RowConfig (FROM_LOGITS), else None
 ):
     """One program per request: the walk of ``METHOD`` (the kernel of :func:`specsampler.verify.tree.verify_tree`
     and of :func:`specsampler.verify.tree.verify_tree_from_logits`; reference: their walks in
     :mod:`specsampler.verify.walks`, plain loops in :mod:`specsampler.verify.reference`)."""
-    target = Strided(target_ptr, target_stride_b, target_stride_row)
-    draft_probs = Strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row)
-    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride)
-    rows = LogitRows(Strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row), temperature_ptr, top_k_ptr,
-                     top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
+    target = strided(target_ptr, target_stride_b, target_stride_row, ALIGNED)
+    draft_probs = strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row, ALIGNED)
+    randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride,
+                            philox)
+    rows = LogitRows(strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row, ALIGNED), temperature_ptr,
+                     top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     b = tl.program_id(0).to(tl.int64)
-    keys = request_keys(randomness, b, PHILOX)
+    keys = request_keys(randomness, b)
     x_b = draft_tokens_ptr + b * N
     fc_b = first_child_ptr + b * N
     ns_b = next_sibling_ptr + b * N
     slots = tl.arange(0, BLOCK_D)
     if METHOD <= 1:
         path, n, y = _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V, METHOD == 0,
-                                 FROM_LOGITS, PHILOX, HAS_MASK, BLOCK_V, ROWS)
+                                 FROM_LOGITS, HAS_MASK, BLOCK_V, ROWS)
     elif METHOD == 2:
         path, n, y = _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr, slots, N,
-                               V, FROM_LOGITS, WO, PHILOX, HAS_MASK, BLOCK_V, ROWS)
+                               V, FROM_LOGITS, WO, HAS_MASK, BLOCK_V, ROWS)
     else:
         path, n, y = _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr,
-                                     slots, N, V, D, FROM_LOGITS, WO, PHILOX, HAS_MASK, BLOCK_V, BLOCK_D, ROWS)
+                                     slots, N, V, D, FROM_LOGITS, WO, HAS_MASK, BLOCK_V, BLOCK_D, ROWS)
     _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
 
 
@@ -577,7 +587,7 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
     stochastic_drafts = method in ("rrs", "traversal")
     if stochastic_drafts and draft_probs is None:
         raise ValueError(f"{op}: method {method!r} needs draft_probs")
-    philox = check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts, " for rrs and traversal")
+    check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts, " for rrs and traversal")
     B, N, V = target.shape
     D, dev = max_depth, target.device
     path, num_accepted, y = (torch.empty(shape, dtype=torch.int64, device=dev) for shape in ((B, D + 1), (B,), (B,)))
@@ -588,25 +598,33 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
         target_ptr=target, target_stride_b=target.stride(0), target_stride_row=target.stride(1),
         draft_tokens_ptr=draft_tokens.long().contiguous(), first_child_ptr=first_child.long().contiguous(),
         next_sibling_ptr=next_sibling.long().contiguous(), **randomness(seed, offset, u_accept, u_sample, B, dev),
-        path_ptr=path, num_accepted_ptr=num_accepted, y_ptr=y, N=N, V=V, D=D, PHILOX=philox,
-        BLOCK_V=block_v or block_size(1024, V), BLOCK_D=triton.next_power_of_2(D + 2),
+        path_ptr=path, num_accepted_ptr=num_accepted, y_ptr=y, N=N, V=V, D=D,
+        BLOCK_V=block_v or block_size(1024, V), BLOCK_D=depth_slots(D),
         enable_fp_fusion=False,  # a * Mb - q rounded as torch rounds it
     )
+    wo = draft_sampling == "without_replacement"
+    draft_probs = last_dim_contiguous(draft_probs) if stochastic_drafts else None
+    mask = None if logits is None or logits["vocab_mask"] is None else last_dim_contiguous(logits["vocab_mask"])
     if logits is None:
         kernel_args.update(**NO_LOGIT_ROWS, FROM_LOGITS=False, HAS_MASK=False, ROWS=None)
     else:
         cfg = row_config(V, chunk=logits["chunk"], cand=logits["cand"])
         params = logits["temperature"], logits["top_k"], logits["top_p"], logits["min_p"]
-        kernel_args.update(**logit_rows(target, logits["vocab_mask"], *params, B, cfg), FROM_LOGITS=True,
-                           HAS_MASK=logits["vocab_mask"] is not None, ROWS=RowConfig(**cfg),
-                           **launch_options(logits["num_warps"]))
-    wo = draft_sampling == "without_replacement"
-    draft_probs = last_dim_contiguous(draft_probs) if stochastic_drafts else None
+        kernel_args.update(**logit_rows(target, mask, *params, B, cfg), FROM_LOGITS=True, HAS_MASK=mask is not None,
+                           ROWS=RowConfig(**cfg), **launch_options(logits["num_warps"]))
     _tree_kernel[(B,)](draft_probs_ptr=draft_probs, draft_probs_stride_b=strides(draft_probs)[0],
                        draft_probs_stride_row=strides(draft_probs)[1],
                        scratch_ptr=scratch(method, wo, B, D, V, dev) if stochastic_drafts else None,
-                       METHOD=METHODS[method], WO=wo and stochastic_drafts, **kernel_args)
+                       METHOD=METHODS[method], WO=wo and stochastic_drafts,
+                       ALIGNED=aligned_rows(target, draft_probs, mask), **kernel_args)
     return path, num_accepted, y
+
+
+def depth_slots(D: int) -> int:
+    """The kernel's ``BLOCK_D`` for trees of depth ``D``: slots for the path and the traversal's per-depth
+    state (``D + 2``), in two buckets, 32 (depth up to 30) and 256 (up to 254: a tree of 255 nodes), so that
+    the depths a server sees compile one kernel; deeper trees take the next power of 2."""
+    return 32 if D + 2 <= 32 else max(256, triton.next_power_of_2(D + 2))
 
 
 def scratch(method: str, wo: bool, B: int, D: int, V: int, device) -> Tensor:

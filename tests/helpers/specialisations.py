@@ -1,0 +1,68 @@
+"""The specialisations Triton's JIT would compile the kernels under, recorded while they run in the interpreter.
+
+Triton compiles a kernel once per specialisation key: its constexprs, the dtypes of its tensors, and what it
+learns from the other arguments (an integer's divisibility by 16 or value 1, a pointer's 16-byte alignment) unless
+a kernel opts out (``do_not_specialize``). :func:`recorded_specialisations` computes, for every kernel launch that
+the interpreter runs, the key the JIT would use for a CUDA target (sm_90) with the kernel's own options, from the
+JIT's own argument binder: no GPU and no compiling needed, so a test can replay hundreds of public calls and count
+the distinct keys per kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+
+class _Target:
+    """A stand-in driver: a CUDA sm_90 target, device 0 (only asked for while a key is computed)."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+_JIT_OPTIONS = ("do_not_specialize", "do_not_specialize_on_alignment", "noinline")
+
+
+def specialisation_key(fn: InterpretedFunction, args: tuple, kwargs: dict, arch: int = 90) -> str:
+    """The key under which ``triton.jit`` would compile ``fn`` (an interpreted kernel) for these arguments."""
+    twin = JITFunction(fn.fn, **{k: v for k, v in fn.kwargs.items() if k in _JIT_OPTIONS})
+    driver.set_active(_Target(arch))
+    try:
+        binder = twin.device_caches[0][-1]
+        _, specialisation, options = binder(*args, **kwargs)
+    finally:
+        driver.reset_active()
+    return repr((specialisation, options))
+
+
+@contextlib.contextmanager
+def recorded_specialisations(arch: int = 90):
+    """While active, every interpreted kernel launch also records its JIT specialisation key: yields a dict
+    kernel name -> set of keys (the launches still run in the interpreter, with their results)."""
+    keys: dict[str, set[str]] = collections.defaultdict(set)
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        keys[self.fn.__name__].add(specialisation_key(self, args, kwargs, arch))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    try:
+        yield keys
+    finally:
+        InterpretedFunction.run = run
