@@ -3,7 +3,8 @@
 # (the device tool takes at most 64 MiB of working tree per call; the flashinfer-python wheel alone
 # is 62 MiB). Keeps every Python module (`import flashinfer` imports them all) and, of the data
 # its JIT compiles from, only the sampling sources, their headers, CCCL and spdlog; drops the other
-# kernels' sources, CUTLASS (not included by sampling) and tuning tables. apache-tvm-ffi, which
+# kernels' sources, CUTLASS (not included by sampling) and tuning tables; keeps the top-k module's sources, which
+# top_k_top_p_sampling_from_logits compiles on first use. apache-tvm-ffi, which
 # FlashInfer 0.7 binds its kernels with, is the one import the GPU image lacks.
 #
 #   bash benchmarks/flashinfer_carry.sh [DIR]    # DIR defaults to .flashinfer (git-ignored)
@@ -24,8 +25,10 @@ python3 -m pip download -q --no-deps "${platform[@]}" -d "$work" "flashinfer-pyt
   "apache-tvm-ffi>=0.1.11,<0.2"
 (cd "$work" && python3 -m zipfile -e flashinfer_python-"$VERSION"-py3-none-any.whl unpacked)
 fi="$work/unpacked/flashinfer"
+# the sampling module's sources, and the top-k module's, which top_k_top_p_sampling_from_logits builds too
 find "$fi/data/csrc" -mindepth 1 -maxdepth 1 ! -name sampling.cu ! -name renorm.cu \
-  ! -name flashinfer_sampling_binding.cu ! -name '*.h' -exec rm -rf {} +
+  ! -name flashinfer_sampling_binding.cu ! -name topk.cu ! -name cub_topk.cu ! -name flashinfer_topk_binding.cu \
+  ! -name flashinfer_fast_topk_clusters_binding.cu ! -name '*.h' -exec rm -rf {} +
 rm -rf "$fi/data/cutlass"
 find "$fi" -path "$fi/data" -prune -o -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.c' \
   -o -name '*.cubin' -o -name '*.so' -o -name '*.md' -o -path '*/artifacts/*.json' \) -print0 | xargs -0 rm -f

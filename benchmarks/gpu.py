@@ -162,7 +162,7 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
             probs = fis.top_p_renorm_probs(fis.top_k_renorm_probs(probs, TOP_K), TOP_P)
             return fis.chain_speculative_sampling(q, draft.int(), probs.view(B, K + 1, V))
         base["flashinfer_sequential"] = fi_sequential
-    parallel = use_triton(device) and kchain.rows_in_parallel_by_default(B, K + 1, device)
+    parallel = use_triton(device) and kchain.rows_in_parallel_by_default(device)
     split = parts_per_row(B * (K + 1), V, row_config(V), device) if use_triton(device) else 0  # with rows in parallel
     parts = split if parallel else 0
     if use_triton(device):
@@ -170,7 +170,7 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
     out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": parallel},
                       logits, lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
                                                                   rng=rng), base, rate, reps, inner))
-    if use_triton(device):  # diagnostics for the size thresholds: the other mode, and rows not split
+    if use_triton(device):  # diagnostics for the defaults: the serial walk ("chain-serial"), and rows not split
         rp = params.rows("bench", B, K + 1, device, False)
         for in_parallel, n_parts in [(not parallel, 0 if parallel else split)] + ([(True, 0)] if parts else []):
             out.append(record(
@@ -260,6 +260,41 @@ def tree_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
                    rate, reps, inner)]
 
 
+def latency_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
+    """Every op at B = 1 (V = 128256, bf16 logits; top-k 50 + top-p 0.95; chains of 4, trees of 8 nodes in 3
+    levels): what a request alone waits for, by graph replay."""
+    V = 32000 if quick else 128256
+    params = ss.SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    rng = ss.Philox(torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device))
+    K, parents = 4, [-1, 0, 0, 1, 1, 2, 3, 5]
+    N = len(parents)
+    tree = ss.TokenTree.from_parents(torch.tensor([parents])).to(device)
+    chain = (torch.randn(1, K + 1, V, generator=g) * 4).to(device, torch.bfloat16)
+    rows = (torch.randn(1, N, V, generator=g) * 4).to(device, torch.bfloat16)
+    one = (torch.randn(1, V, generator=g) * 4).to(device, torch.bfloat16)
+    q = torch.softmax(torch.randn(1, K, V, generator=g) * 4, -1).to(device)
+    qt = torch.softmax(torch.randn(1, N, V, generator=g) * 4, -1).to(device)
+    drafts = chain[:, :K].float().argmax(-1)
+    nodes = torch.randint(0, V, (1, N), generator=g).to(device)
+    top_p_only = ss.SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)
+    cases = [
+        ("sample_from_logits", {"top_k": TOP_K, "top_p": TOP_P}, one, lambda: ss.sample_from_logits(one, params, rng)),
+        ("sample_from_logits", {"top_p": TOP_P}, one, lambda: ss.sample_from_logits(one, top_p_only, rng)),
+        ("sample_from_logits", {"greedy": True}, one,
+         lambda: ss.sample_from_logits(one, ss.SamplingParams(temperature=0.0), rng)),
+        *[("chain_verify_from_logits", {"K": K, "method": m}, chain,
+           lambda m=m: ss.verify_chain_from_logits(chain, drafts, params, draft_probs=q if m in ("token", "block")
+                                                   else None, method=m, rng=rng))
+          for m in ("token", "block", "target_only", "greedy")],
+        *[("tree_verify_from_logits", {"N": N, "method": m, "draft_sampling": s}, rows,
+           lambda m=m, s=s: ss.verify_tree_from_logits(rows, nodes, tree, params, draft_probs=qt if m in (
+               "rrs", "traversal") else None, method=m, draft_sampling=s, rng=rng))
+          for m, s in (("target_only", "iid"), ("greedy", "iid"), ("rrs", "iid"), ("rrs", "without_replacement"),
+                       ("traversal", "without_replacement"))],
+    ]
+    return [record(op, device, {"B": 1, "V": V, **shape}, x, fn, {}, rate, reps, inner) for op, shape, x, fn in cases]
+
+
 def compare(paths: list[str]) -> None:
     """Print the median of each record of several result files side by side (e.g. one file per setting of
     ``SPECSAMPLER_PIPELINE_STAGES`` and ``SPECSAMPLER_PROGRAMS_PER_SM``), with each file's ratio to the first."""
@@ -292,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--inner", type=int, default=10, help="calls per timed sample (per graph replay)")
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
-    p.add_argument("--only", choices=("chain", "sampling", "tree"), action="append")
+    p.add_argument("--only", choices=("latency", "chain", "sampling", "tree"), action="append")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--no-baselines", action="store_true", help="time the kernels only (tuning runs)")
     p.add_argument("--chain-vocab", type=int, action="append", metavar="V",
@@ -314,13 +349,14 @@ def main(argv: list[str] | None = None) -> int:
           f"programs per SM {PROGRAMS_PER_SM}")
     print(f"{'op':<26}{'shape':<81}{'median us':>10}{'floor x':>8}  baselines (speedup)")
     records = []
-    suites = {"chain": chain_records, "sampling": sampling_records, "tree": tree_records}
+    suites = {"latency": latency_records, "chain": chain_records, "sampling": sampling_records, "tree": tree_records}
     for name in args.only or suites:
         records += suites[name](device, g, gd, rate, args.reps, args.inner, args.quick)
+        if args.out:  # after each suite: a run cut off by a time limit keeps what it measured
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 

@@ -1,45 +1,19 @@
 """pytest plugin: count the distinct kernel specialisations that tests launch in the Triton interpreter.
 
-A GPU run compiles each specialisation once (seconds to a minute or more each), so this number decides
-how long a first GPU run of the kernel tests takes (``benchmarks/gpu_session.sh check``). Usage, from
-``tests/``: ``TRITON_INTERPRET=1 PYTHONPATH=. python -m pytest -p kernel_variants test_kernels_*.py``;
-prints the count per kernel at the end. The key approximates Triton's: the kernel, its constexpr
-arguments, the dtypes of its tensors and, for integers, whether they are 1 or divisible by 16 (pointer
-alignment is not modelled).
+A GPU run compiles each specialisation once (seconds each), so this number decides how long a first GPU run of
+the kernel tests takes (``benchmarks/gpu_session.sh check``). Usage, from ``tests/``: ``TRITON_INTERPRET=1
+PYTHONPATH=.:helpers python -m pytest -p kernel_variants kernels``; prints the count per kernel at the end. The
+keys are those Triton's JIT computes for sm_90 (:func:`specialisations.specialisation_key`).
 """
 
 from __future__ import annotations
 
-import collections
+from specialisations import recorded_specialisations
 
-import torch
-from triton.runtime.interpreter import InterpretedFunction
-
-SEEN: set[tuple] = set()
-_run = InterpretedFunction.run
-
-
-def _spec(value) -> tuple:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype))
-    if isinstance(value, bool):
-        return ("bool", value)
-    if isinstance(value, int):
-        return ("int", value == 1, value % 16 == 0)
-    if isinstance(value, float):
-        return ("float",)
-    return ("other", repr(value))
-
-
-def _recording_run(self, *args, grid, warmup, **kwargs):
-    key = (self.fn.__name__, *(_spec(a) for a in args), *((k, repr(v)) for k, v in sorted(kwargs.items())))
-    SEEN.add(key)
-    return _run(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-
-InterpretedFunction.run = _recording_run
+_RECORDING = recorded_specialisations()
+SEEN = _RECORDING.__enter__()  # for the whole session
 
 
 def pytest_terminal_summary(terminalreporter):
-    per_kernel = collections.Counter(key[0] for key in SEEN)
-    terminalreporter.write_line(f"kernel specialisations launched: {len(SEEN)} ({dict(per_kernel.most_common())})")
+    per_kernel = {kernel: len(keys) for kernel, keys in SEEN.items()}
+    terminalreporter.write_line(f"kernel specialisations launched: {sum(per_kernel.values())} ({per_kernel})")

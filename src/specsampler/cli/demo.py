@@ -112,6 +112,23 @@ def _one_line(text: str, width: int = 110) -> str:
     return flat if len(flat) <= width else flat[: width - 3] + "..."
 
 
+def _warm_kernels(target, device: str) -> None:
+    """On a GPU, compile the kernels the runs use before timing anything (specsampler.warmup, in parallel
+    processes; from Triton's on-disk cache when an earlier run compiled them)."""
+    from ..kernels import use_triton
+
+    if torch.device(device).type != "cuda" or not use_triton(torch.device(device)):
+        return
+    from ..kernels.warmup import warmup
+
+    start = time.perf_counter()
+    dtype = next(target.parameters()).dtype
+    records = warmup(target.config.vocab_size, dtype, device,
+                     ["sample", "token", "block", "target_only", "rrs", "traversal"], masks=(False,))
+    print(f"kernels: {len(records)} launches compiled or loaded from Triton's cache in "
+          f"{time.perf_counter() - start:.1f} s (specsampler.warmup)\n")
+
+
 def demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     torch.set_num_threads(1)  # models this small gain nothing from more, and timings stay comparable
@@ -121,6 +138,7 @@ def demo(args: argparse.Namespace) -> int:
     print(f"target {count(target) / 1e6:.1f}M parameters, draft {count(draft) / 1e6:.2f}M; "
           f"temperature {args.temperature}, top_p {args.top_p}, {args.max_new_tokens} new tokens per prompt, "
           f"chain of {args.num_draft_tokens}, tree {args.tree_shape}, one thread\n")
+    _warm_kernels(target, args.device)
     prompts = args.prompt or PROMPTS
     input_ids, mask = _batch(tokenizer, prompts, args.device)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)

@@ -26,6 +26,7 @@ from .common import (
     LogitRows,
     Randomness,
     RowConfig,
+    Strided,
     aligned_rows,
     argmax,
     block_size,
@@ -41,7 +42,6 @@ from .common import (
     request_keys,
     row_ptr,
     scratch_rows,
-    strided,
     strides,
     uniform,
 )
@@ -54,6 +54,7 @@ from .rows import (
     load_logits,
     multiprocessors,
     row_config,
+    row_stride,
     scan_parts,
     scan_row,
     token_weight,
@@ -491,12 +492,13 @@ def _chain_kernel(
     """One program per request: the walk of ``METHOD`` (the kernel of :func:`specsampler.verify.chain.verify_chain`
     and of :func:`specsampler.verify.chain.verify_chain_from_logits`; reference: their ``_verify``, plain loops
     :func:`specsampler.verify.reference.chain_token`, ``chain_block``, ``chain_draws``)."""
-    target = strided(target_ptr, target_stride_b, target_stride_row, ALIGNED)
-    draft_probs = strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row, ALIGNED)
+    target = Strided(target_ptr, row_stride(target_stride_b, ALIGNED), row_stride(target_stride_row, ALIGNED))
+    draft_probs = Strided(draft_probs_ptr, row_stride(draft_probs_stride_b, ALIGNED),
+                          row_stride(draft_probs_stride_row, ALIGNED))
     randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride,
                             philox)
-    rows = LogitRows(strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row, ALIGNED), temperature_ptr,
-                     top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
+    mask = Strided(vocab_mask_ptr, row_stride(vocab_mask_stride_b, ALIGNED), row_stride(vocab_mask_stride_row, ALIGNED))
+    rows = LogitRows(mask, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     described = Descriptors(desc_floats_ptr, desc_ints_ptr, cands_ptr)
     b = tl.program_id(0).to(tl.int64)
     kb = tl.minimum(tl.maximum(tl.load(num_drafts_ptr + b), 0), K).to(tl.int32)
@@ -559,9 +561,9 @@ def _describe_rows_kernel(
     kernel runs itself otherwise (:func:`specsampler.kernels.describe.describe_row_in_parts`, whose reference is
     :func:`specsampler.sampling.processing.process`), and stores the descriptor (greedy: the argmax) in
     ``described`` and, in its scratch row, the chunk masses that a draw reads."""
-    target = strided(target_ptr, target_stride_b, target_stride_row, ALIGNED)
-    rows = LogitRows(strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row, ALIGNED), temperature_ptr,
-                     top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
+    target = Strided(target_ptr, row_stride(target_stride_b, ALIGNED), row_stride(target_stride_row, ALIGNED))
+    mask = Strided(vocab_mask_ptr, row_stride(vocab_mask_stride_b, ALIGNED), row_stride(vocab_mask_stride_row, ALIGNED))
+    rows = LogitRows(mask, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     described = Descriptors(desc_floats_ptr, desc_ints_ptr, cands_ptr)
     r = tl.program_id(0).to(tl.int64)
     b = r // (K + 1)

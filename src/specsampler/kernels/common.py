@@ -16,7 +16,7 @@ from torch import Tensor
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE
 from .describe import describe_row, draw, unpack_candidates
 from .philox import philox_uniform
-from .rows import STAGES, aligned_strides, row_scratch, row_stride
+from .rows import STAGES, aligned_strides, row_scratch
 
 SAMPLE = tl.constexpr(STREAM_SAMPLE)
 ACCEPT = tl.constexpr(STREAM_ACCEPT)
@@ -74,13 +74,6 @@ class RowConfig(NamedTuple):
     GROUP: int
     SEARCH_BLOCK: int
     NPIV: int
-
-
-@triton.jit
-def strided(data, stride_b, stride_row, ALIGNED: tl.constexpr):
-    """A :class:`Strided` of run-time strides, marked multiples of 16 when ``ALIGNED``
-    (:func:`specsampler.kernels.rows.row_stride`)."""
-    return Strided(data, row_stride(stride_b, ALIGNED), row_stride(stride_row, ALIGNED))
 
 
 @triton.jit

@@ -26,6 +26,7 @@ from .common import (
     LogitRows,
     Randomness,
     RowConfig,
+    Strided,
     aligned_rows,
     argmax,
     block_size,
@@ -39,11 +40,10 @@ from .common import (
     request_keys,
     row_ptr,
     scratch_rows,
-    strided,
     strides,
     uniform,
 )
-from .rows import STAGES, invert, kept_weights, launch_options, load_logits, row_config, scan_row
+from .rows import STAGES, invert, kept_weights, launch_options, load_logits, row_config, row_stride, scan_row
 
 METHODS = {"greedy": 0, "target_only": 1, "rrs": 2, "traversal": 3}  # the kernel's METHOD
 DRAFT_SAMPLING = ("iid", "without_replacement")
@@ -76,13 +76,43 @@ def _target(row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, id_cut, 
     return p
 
 
+@triton.jit(noinline=True)
+def _residual_pass(row, mask_row, held_row, held, div, m, inv_t, tau, cut, w_min, z, a, residual, out_row, q_row,
+                   q_held_row, q_held, q_div, xc, V, FROM_LOGITS: tl.constexpr, WO: tl.constexpr,
+                   HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass over a node's target row t (:func:`_target`, through its descriptor from logits) and a draft row
+    q (:func:`_row`): with ``residual``, ``w = max(a * t - q, 0)`` into ``out_row``; without replacement (``WO``),
+    q with token ``xc`` zeroed into ``q_held_row`` (in place when q is held there). Returns the masses of w and of
+    the new q. rrs's rejection of a child (a = 1: ``1 * t`` is t exactly) and traversal's deletion of a leaf.
+    Call it between barriers: it rewrites rows other threads read."""
+    cols = tl.arange(0, BLOCK_V)
+    mass = tl.full((), 0.0, tl.float32)
+    q_mass = tl.full((), 0.0, tl.float32)
+    end = V if WO else tl.where(residual != 0, V, 0)
+    for start in tl.range(0, end, BLOCK_V, num_stages=STAGES):
+        offs = start + cols
+        mask = offs < V
+        q = _row(q_row, q_held_row, q_held, q_div, offs, mask)
+        if residual != 0:
+            d = a * _target(row, mask_row, held_row, held, div, offs, V, m, inv_t, tau, cut, w_min, z, FROM_LOGITS,
+                            HAS_MASK) - q
+            w = tl.where(d < 0.0, 0.0, d)
+            tl.store(out_row + offs, w, mask=mask)
+            mass += tl.sum(w, 0)
+        if WO:
+            q = tl.where(offs == xc, 0.0, q)
+            tl.store(q_held_row + offs, q, mask=mask)
+            q_mass += tl.sum(q, 0)
+    return mass, q_mass
+
+
 @triton.jit
 def _clamp_divisor(s):
     """``s.clamp(min=1e-30)`` (NaN stays NaN)."""
     return tl.where(s < _TINY_MASS, _TINY_MASS, s)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _invert(src, held_row, held, div, u, V, BLOCK_V: tl.constexpr):
     """Categorical draw by inversion of ``u`` from the weights of a row (see :func:`_row`):
     the first id of positive weight whose cumulative weight exceeds ``u * total``, else the
@@ -212,7 +242,6 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
     """
     scratch = scratch_ptr + b * (3 if WO else 2) * V
     q_held_row = scratch + 2 * V
-    cols = tl.arange(0, BLOCK_V)
     path = tl.where(slots == 0, 0, -1).to(tl.int64)
     v = tl.full((), 0, tl.int64)
     n = tl.full((), 0, tl.int32)
@@ -267,24 +296,11 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
                     r_vec = tl.where(mass > 0.0, tl.div_rn(w_c, _clamp_divisor(mass)), r_vec)
                     tl.debug_barrier()  # q gathered before the pass below rewrites it in place
                 out = tl.where(r_held != 0, 1 - r_buf, r_buf)
-                q_mass = tl.full((), 0.0, tl.float32)
-                end = tl.where(regs == 0, V, 0)  # a pass over the row: for a residual not in registers,
-                if WO:  # and for the new mass of the shared q
-                    end = V
-                for start in tl.range(0, end, BLOCK_V, num_stages=STAGES):
-                    offs = start + cols
-                    mask = offs < V
-                    q = _row(q_row, q_held_row, q_held, q_div, offs, mask)
-                    if regs == 0:
-                        d = _target(target_row, vocab_mask_row, scratch + r_buf * V, r_held, r_div, offs, V, m,
-                                    inv_t, tau, cut, w_min, z, FROM_LOGITS, HAS_MASK) - q
-                        w = tl.where(d < 0.0, 0.0, d)
-                        tl.store(scratch + out * V + offs, w, mask=mask)
-                        mass += tl.sum(w, 0)
-                    if WO:
-                        q = tl.where(offs == xc, 0.0, q)
-                        tl.store(q_held_row + offs, q, mask=mask)
-                        q_mass += tl.sum(q, 0)
+                # a pass over the row: for a residual not in registers, and for the new mass of the shared q
+                r_mass, q_mass = _residual_pass(target_row, vocab_mask_row, scratch + r_buf * V, r_held, r_div, m,
+                                                inv_t, tau, cut, w_min, z, 1.0, regs == 0, scratch + out * V, q_row,
+                                                q_held_row, q_held, q_div, xc, V, FROM_LOGITS, WO, HAS_MASK, BLOCK_V)
+                mass = tl.where(regs == 0, r_mass, mass)
                 tl.debug_barrier()
                 if regs == 0:
                     has_mass = mass > 0.0
@@ -340,7 +356,6 @@ def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, n
     """
     scratch = scratch_ptr + b * ((2 * D + 3) if WO else (D + 2)) * V
     ms_scratch = scratch + (D + 2) * V
-    cols = tl.arange(0, BLOCK_V)
     stack = tl.full((BLOCK_D,), -1, tl.int64)
     a = tl.zeros((BLOCK_D,), tl.float32)
     mb_held = tl.zeros((BLOCK_D,), tl.int32)
@@ -447,23 +462,11 @@ def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, n
             q_row = row_ptr(draft_probs, b, q_src if WO else leaf)
             out = tl.where(held != 0, spare, buf)
             xc = tl.minimum(tl.maximum(tl.load(x_b + leaf), 0), V - 1)
-            mass = tl.full((), 0.0, tl.float32)
-            q_mass = tl.full((), 0.0, tl.float32)
             tl.debug_barrier()  # every thread has read Ms(x) of the pushes before Ms is rewritten in place
-            for start in tl.range(0, V, BLOCK_V, num_stages=STAGES):
-                offs = start + cols
-                mask = offs < V
-                q = _row(q_row, ms_scratch + top * V, q_held, q_div, offs, mask)
-                mb = _target(target_row, vocab_mask_row, scratch + buf * V, held, div, offs, V, d_m, d_inv_t, d_tau,
-                             d_cut, d_w_min, d_z, FROM_LOGITS, HAS_MASK)
-                d = a_top * mb - q
-                w = tl.where(d < 0.0, 0.0, d)
-                tl.store(scratch + out * V + offs, w, mask=mask)
-                mass += tl.sum(w, 0)
-                if WO:
-                    q = tl.where(offs == xc, 0.0, q)
-                    tl.store(ms_scratch + top * V + offs, q, mask=mask)
-                    q_mass += tl.sum(q, 0)
+            mass, q_mass = _residual_pass(target_row, vocab_mask_row, scratch + buf * V, held, div, d_m, d_inv_t,
+                                          d_tau, d_cut, d_w_min, d_z, a_top, 1, scratch + out * V, q_row,
+                                          ms_scratch + top * V, q_held, q_div, xc, V, FROM_LOGITS, WO, HAS_MASK,
+                                          BLOCK_V)
             tl.debug_barrier()
             has_mass = mass > 0.0
             spare = tl.where(has_mass & (held != 0), buf, spare)
@@ -550,12 +553,13 @@ def _tree_kernel(
     """One program per request: the walk of ``METHOD`` (the kernel of :func:`specsampler.verify.tree.verify_tree`
     and of :func:`specsampler.verify.tree.verify_tree_from_logits`; reference: their walks in
     :mod:`specsampler.verify.walks`, plain loops in :mod:`specsampler.verify.reference`)."""
-    target = strided(target_ptr, target_stride_b, target_stride_row, ALIGNED)
-    draft_probs = strided(draft_probs_ptr, draft_probs_stride_b, draft_probs_stride_row, ALIGNED)
+    target = Strided(target_ptr, row_stride(target_stride_b, ALIGNED), row_stride(target_stride_row, ALIGNED))
+    draft_probs = Strided(draft_probs_ptr, row_stride(draft_probs_stride_b, ALIGNED),
+                          row_stride(draft_probs_stride_row, ALIGNED))
     randomness = Randomness(seed_ptr, offset_ptr, u_accept_ptr, u_accept_stride, u_sample_ptr, u_sample_stride,
                             philox)
-    rows = LogitRows(strided(vocab_mask_ptr, vocab_mask_stride_b, vocab_mask_stride_row, ALIGNED), temperature_ptr,
-                     top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
+    mask = Strided(vocab_mask_ptr, row_stride(vocab_mask_stride_b, ALIGNED), row_stride(vocab_mask_stride_row, ALIGNED))
+    rows = LogitRows(mask, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, fscratch_ptr, iscratch_ptr)
     b = tl.program_id(0).to(tl.int64)
     keys = request_keys(randomness, b)
     x_b = draft_tokens_ptr + b * N
