@@ -17,9 +17,12 @@ import torch
 BACKENDS = ("torch", "triton")
 
 
+_TRITON = importlib.util.find_spec("triton") is not None  # looked up once: torch.compile cannot trace find_spec
+
+
 def triton_available() -> bool:
     """Whether Triton can be imported (the ``triton`` extra)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON
 
 
 def backend() -> str | None:

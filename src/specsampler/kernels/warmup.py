@@ -26,6 +26,7 @@ CHAIN = ("token", "block", "target_only", "greedy")
 TREE = ("rrs", "traversal", "target_only", "greedy")
 METHODS = ("sample", "token", "block", "target_only", "greedy", "rrs", "traversal", "mlc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILED_S = 2.5  # a first launch slower than this compiled: warm up the rest in worker processes
 
 
 class Launch(NamedTuple):
@@ -148,28 +149,33 @@ def warmup(vocab_size: int, dtype: torch.dtype = torch.float32, device: str | to
     call on ``device`` compiles, whatever the batch size, chain length, tree shape, per-row parameters or
     randomness (a ``Philox`` or a generator) of the calls. See :func:`launches` for the arguments.
 
-    With ``workers`` > 1 (None: one per CPU core, at most one per launch) the launches are first run in that
-    many fresh processes, which compile in parallel into Triton's on-disk cache (``TRITON_CACHE_DIR``, by
-    default ``~/.triton/cache``); this process then runs each once, loading them from there. A process that
-    finds them all cached warms up in seconds. Returns one record per launch: ``op``, ``method``,
-    ``variant``, ``seconds`` (this process's time for it: compile or load, and the launch).
+    With ``workers`` > 1 (None: one per CPU core, at most one per launch), when the first launch had to compile,
+    the others are run in that many fresh processes, which compile in parallel into Triton's on-disk cache
+    (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``); this process then runs each once, loading them from
+    there. A process that finds them all cached warms up in seconds, in this process alone. Returns one record
+    per launch: ``op``, ``method``, ``variant``, ``seconds`` (this process's time for it: compile or load, and
+    the launch).
     """
     dev = torch.device(device)
     todo = launches(vocab_size, dtype, dev, methods, masks=masks, draft_dtype=draft_dtype)
     workers = min(os.cpu_count() or 1, len(todo)) if workers is None else workers
-    if workers > 1 and dev.type == "cuda":
+    records = [_timed(todo[0], dev)]
+    # a first launch that loaded its kernels from the cache in well under a compile's time says the others are
+    # cached too (they were compiled together): then starting worker processes would only cost their start-up
+    if workers > 1 and dev.type == "cuda" and records[0]["seconds"] > COMPILED_S:
         names = {v: k for k, v in DTYPES.items()}
         args = (vocab_size, names[dtype], str(dev), tuple(methods or METHODS), tuple(masks), names[draft_dtype])
-        shares = [tuple(range(i, len(todo), workers)) for i in range(workers)]
+        shares = [tuple(range(1 + i, len(todo), workers)) for i in range(workers)]
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             for done in [pool.submit(_run_share, *args, share) for share in shares]:
                 done.result()
-    records = []
-    for launch in todo:
-        start = time.perf_counter()
-        launch.run()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        records.append(dict(op=launch.op, method=launch.method, variant=launch.variant,
-                            seconds=time.perf_counter() - start))
-    return records
+    return records + [_timed(launch, dev) for launch in todo[1:]]
+
+
+def _timed(launch: Launch, device: torch.device) -> dict:
+    """Run a launch; its record (op, method, variant, seconds)."""
+    start = time.perf_counter()
+    launch.run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return dict(op=launch.op, method=launch.method, variant=launch.variant, seconds=time.perf_counter() - start)
