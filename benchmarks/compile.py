@@ -30,12 +30,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from specsampler.kernels import chain, rows  # noqa: E402
-from specsampler.kernels.warmup import DTYPES, METHODS, launches  # noqa: E402
+from specsampler.kernels.warmup import DTYPES, METHODS, TargetDriver, launches  # noqa: E402
 
 # shared memory one program may use (the opt-in maximum per block), by compute capability: a launch asking for
 # more fails on the GPU only (Triton's OutOfResources), so it fails here
@@ -44,22 +43,6 @@ SMS = 132  # the launchers decide as on an H100 SXM (parts of a row's first pass
 # a 16-byte asynchronous copy into shared memory: a tile of a pipelined pass (software pipelining, num_stages)
 _CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], 0x10\b")
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-class CompileOnlyDriver:
-    """Stands in for the CUDA driver: a fixed target, device 0, no stream; nothing is launched."""
-
-    def __init__(self, arch: int):
-        self.target = GPUTarget("cuda", arch, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
 
 
 def resources(cubin: bytes) -> dict:
@@ -98,7 +81,7 @@ def compile_all(vocab_size: int, dtypes: list[torch.dtype], arch: int, methods, 
     """Compile every launch of :func:`launches` for each logits dtype; returns the records."""
     JITFunction.run = compile_only
     rows.multiprocessors = chain.multiprocessors = lambda device: SMS
-    driver.set_active(CompileOnlyDriver(arch))
+    driver.set_active(TargetDriver(arch))
     for dtype in dtypes:
         for launch in launches(vocab_size, dtype, "cpu", methods, masks=masks):
             label = (launch.op, launch.method, launch.variant, str(dtype).removeprefix("torch."))

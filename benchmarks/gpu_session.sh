@@ -14,11 +14,15 @@
 #                                               #   carry .flashinfer): its sampling and top-k modules built in
 #                                               #   the background while the next phases run
 #   bash benchmarks/gpu_session.sh flashinfer bench   # chains, sampling and trees with FlashInfer's baselines
+#   bash benchmarks/gpu_session.sh exact        # the exactness Monte Carlo against the kernels, full size
+#   SETTINGS="A=1 B=2;A=3" bash ... tune        # gpu.py's shapes under each setting of the kernels' environment
+#                                               #   variables, side by side ($GPU_ARGS to gpu.py: --quick, --only)
 #
 # Triton's cache is the git-ignored .triton-cache/, which a warm machine keeps for the next call (start it within
 # the machine's 30 s of warmth): a later phase then compiles nothing an earlier one compiled.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "phases: warmup tests demo latency flashinfer bench (check = the first four)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "phases: warmup tests demo latency flashinfer bench exact tune (check = the first four)" >&2
+                  exit 2; }
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -68,9 +72,11 @@ for lib in ("libcudart.so", "libcuda.so"):
 PY
   export LIBRARY_PATH="/tmp/fi-lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
   # the sampling and top-k modules, compiled on first use: built now, in the background (nvcc, 8 jobs), while
-  # the phases after this one run; `bench` waits for it
+  # the phases after this one run; `bench` waits for it. top_k_top_p_sampling_from_logits takes its top-k module
+  # (a radix top-k, then top-p over the k) only from V = 65536 on: a smaller row would leave it unbuilt, and the
+  # benchmark would build it inside its own time limit (it did, 2026-11-27)
   step 300 flashinfer python3 -c "import time, torch, flashinfer.sampling as s; t = time.time()
-x = torch.randn(2, 1000, device='cuda'); s.top_k_top_p_sampling_from_logits(x, 5, 0.9); s.softmax(x)
+x = torch.randn(2, 65536, device='cuda'); s.top_k_top_p_sampling_from_logits(x, 5, 0.9); s.softmax(x)
 print(f'FlashInfer sampling and top-k modules built and loaded in {time.time() - t:.0f} s')" &
   fi_build=$!
 }
@@ -103,6 +109,22 @@ for phase in "$@"; do
       step 280 bench python3 benchmarks/gpu.py --only chain --only sampling --only tree --reps 10 \
         --chain-vocab 128256 --out "$OUT/gpu-bench.json"
       tail -n 40 "$OUT/bench.log" ;;
+    exact)  # the exactness Monte Carlo against the kernels at full size
+      SPECSAMPLER_FULL_MC=1 step 400 exact python3 -m pytest -v -n 8 --timeout 300 -p no:cacheprovider -m gpu \
+        tests/kernels/test_kernels_exactness.py tests/mlc/test_mlc_sampler.py tests/mlc/test_mlc_verify.py
+      grep -hE "^(FAILED|ERROR)|(passed|failed|error).* in " "$OUT/exact.log" | tee -a "$log" ;;
+    tune)  # the benchmark shapes, kernels only, under each setting of $SETTINGS (';'-separated environment
+           # assignments; default: pipelining depth 1 and 4 with one program per SM, then 4 and 6 with two)
+      IFS=';' read -ra settings <<<"${SETTINGS:-SPECSAMPLER_PIPELINE_STAGES=1 SPECSAMPLER_PROGRAMS_PER_SM=1;\
+SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE_STAGES=4;SPECSAMPLER_PIPELINE_STAGES=6}"
+      files=()
+      for i in "${!settings[@]}"; do
+        # shellcheck disable=SC2086
+        step 240 tune env ${settings[$i]} python3 benchmarks/gpu.py --no-baselines --reps 10 ${GPU_ARGS:-} \
+          --out "$OUT/tune-$i.json"
+        files+=("$OUT/tune-$i.json")
+      done
+      python3 benchmarks/gpu.py --compare "${files[@]}" | tee -a "$log" ;;
     check) bash "$0" warmup tests demo latency ;;
     *) echo "unknown phase: $phase" >&2; exit 2 ;;
   esac

@@ -14,27 +14,11 @@ import collections
 import contextlib
 
 import torch
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-
-class _Target:
-    """A stand-in driver: a CUDA sm_90 target, device 0 (only asked for while a key is computed)."""
-
-    def __init__(self, arch: int):
-        self.target = GPUTarget("cuda", arch, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
+from specsampler.kernels.warmup import TargetDriver
 
 _JIT_OPTIONS = ("do_not_specialize", "do_not_specialize_on_alignment", "noinline")
 
@@ -43,7 +27,7 @@ def specialisation_key(fn: InterpretedFunction, args: tuple, kwargs: dict, arch:
     """The key under which ``triton.jit`` would compile ``fn`` (an interpreted kernel) for these arguments."""
     twin = JITFunction(fn.fn, **{k: v for k, v in fn.kwargs.items() if k in _JIT_OPTIONS})
     saved = driver._active  # without a GPU there is no default driver to reset to
-    driver.set_active(_Target(arch))
+    driver.set_active(TargetDriver(arch))
     try:
         binder = twin.device_caches[0][-1]
         _, specialisation, options = binder(*args, **kwargs)

@@ -118,7 +118,7 @@ def test_compile_errors_are_reported(tmp_path):
         "from triton.runtime.jit import JITFunction\n"
         "from triton.runtime.driver import driver\n"
         "JITFunction.run = tool.compile_only\n"
-        "driver.set_active(tool.CompileOnlyDriver(90))\n"
+        "driver.set_active(tool.TargetDriver(90))\n"
         "k[(1,)](torch.zeros(3), 3)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -47,7 +47,7 @@ def programs_per_sm() -> int:
     A program alone on its SM leaves the SM's memory pipe idle whenever it computes rather than streams
     (the search for a row's cut, its sorts); a second program there streams meanwhile. An SM holds two
     8-warp programs when each thread uses at most 128 registers (:func:`launch_options`): the kernels fit
-    in that without spilling (``tests/helpers/compile_kernels.py`` shows it). 1: no limit. Read once, when the
+    in that without spilling (``benchmarks/compile.py`` shows it). 1: no limit. Read once, when the
     kernels are imported; the interpreter ignores it.
     """
     raw = os.environ.get("SPECSAMPLER_PROGRAMS_PER_SM", "2")

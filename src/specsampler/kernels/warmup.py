@@ -125,6 +125,27 @@ def launches(vocab_size: int, dtype: torch.dtype = torch.float32, device: str | 
     return out
 
 
+class TargetDriver:
+    """A stand-in for Triton's CUDA driver that reports a GPU target (compute capability ``arch``), device 0
+    and no stream: with it active (``triton.runtime.driver.driver.set_active``), Triton specialises and compiles
+    kernels for that GPU on a machine without one (``benchmarks/compile.py``; the tests' specialisation keys).
+    Nothing can be launched through it."""
+
+    def __init__(self, arch: int = 90):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
 def _links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from ..verify.token_tree import TokenTree
 
