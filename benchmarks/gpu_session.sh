@@ -16,7 +16,9 @@
 #   bash benchmarks/gpu_session.sh flashinfer bench   # chains, sampling and trees with FlashInfer's baselines
 #   bash benchmarks/gpu_session.sh exact        # the exactness Monte Carlo against the kernels, full size
 #   SETTINGS="A=1 B=2;A=3" bash ... tune        # gpu.py's shapes under each setting of the kernels' environment
-#                                               #   variables, side by side ($GPU_ARGS to gpu.py: --quick, --only)
+#                                               #   variables, side by side
+# $GPU_ARGS go to benchmarks/gpu.py in latency, bench and tune (bench's default: --chain-vocab 128256); e.g.
+# GPU_ARGS="--quick --device cpu" runs the phases on the CPU, as tests/cli/test_bench.py does.
 #
 # Triton's cache is the git-ignored .triton-cache/, which a warm machine keeps for the next call (start it within
 # the machine's 30 s of warmth): a later phase then compiles nothing an earlier one compiled.
@@ -98,7 +100,9 @@ for phase in "$@"; do
       step 90 demo python3 -m specsampler.cli demo --device cuda
       grep -hE "^kernels:|^Total" "$OUT/demo.log" | tee -a "$log" ;;
     latency)  # every op at B = 1, and sampling, against one read of the logits (no baselines but PyTorch's)
-      step 100 bench python3 benchmarks/gpu.py --only latency --only sampling --reps 10 --out "$OUT/gpu-latency.json"
+      # shellcheck disable=SC2086
+      step 100 bench python3 benchmarks/gpu.py --only latency --only sampling --reps 10 ${GPU_ARGS:-} \
+        --out "$OUT/gpu-latency.json"
       tail -n 30 "$OUT/bench.log" ;;
     flashinfer) flashinfer_setup ;;
     bench)  # chains (V = 128256), sampling and trees, with FlashInfer's baselines when flashinfer ran before
@@ -106,8 +110,9 @@ for phase in "$@"; do
         wait "$fi_build"
         tail -n 3 "$OUT/flashinfer.log" | tee -a "$log"
       fi
+      # shellcheck disable=SC2086
       step 280 bench python3 benchmarks/gpu.py --only chain --only sampling --only tree --reps 10 \
-        --chain-vocab 128256 --out "$OUT/gpu-bench.json"
+        ${GPU_ARGS:---chain-vocab 128256} --out "$OUT/gpu-bench.json"
       tail -n 40 "$OUT/bench.log" ;;
     exact)  # the exactness Monte Carlo against the kernels at full size
       SPECSAMPLER_FULL_MC=1 step 400 exact python3 -m pytest -v -n 8 --timeout 300 -p no:cacheprovider -m gpu \
@@ -124,7 +129,7 @@ SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE
           --out "$OUT/tune-$i.json"
         files+=("$OUT/tune-$i.json")
       done
-      python3 benchmarks/gpu.py --compare "${files[@]}" | tee -a "$log" ;;
+      python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/tune-compare.txt" | tee -a "$log" ;;
     check) bash "$0" warmup tests demo latency ;;
     *) echo "unknown phase: $phase" >&2; exit 2 ;;
   esac
