@@ -4,7 +4,7 @@ One kernel serves :func:`specsampler.verify.chain.verify_chain` (target rows are
 :func:`specsampler.verify.chain.verify_chain_from_logits` (``FROM_LOGITS``: each row of logits is processed by its
 parameters on the way, through its descriptor, :mod:`specsampler.kernels.describe`); each method's walk is a helper
 that reads beside its branch of the reference's ``_verify``, and reads no row past the position where its request
-stops. Small batches on a GPU first describe every row in a row-parallel kernel (``DESCRIBED``). Draws are by
+stops. On a GPU every row is first described in a row-parallel kernel (``DESCRIBED``). Draws are by
 inversion as :func:`specsampler.sampling.masses.sample_by_inversion`, sums taken block by block in float32 (a
 token can differ from the reference's only where rounding decides), without fused multiply-add.
 """
@@ -556,7 +556,7 @@ def _describe_rows_kernel(
     ALIGNED: tl.constexpr,  # the row strides are multiples of 16 (rows.aligned_strides)
     ROWS: tl.constexpr,  # RowConfig
 ):
-    """The first phase of a small batch (``rows_in_parallel``): program ``r`` describes row ``i = r % (K+1)``
+    """The first phase on a GPU (``rows_in_parallel``): program ``r`` describes row ``i = r % (K+1)``
     of request ``b = r // (K+1)`` if the request has it (``i <= num_drafts[b]``), with the code the chain
     kernel runs itself otherwise (:func:`specsampler.kernels.describe.describe_row_in_parts`, whose reference is
     :func:`specsampler.sampling.processing.process`), and stores the descriptor (greedy: the argmax) in
@@ -710,8 +710,8 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, draft_
             ``block`` is ``tile``); keep the defaults of :func:`specsampler.kernels.sampling.sample_from_logits`
             for ``target_only`` to draw its tokens bit for bit.
         rows_in_parallel: describe every row a request has in a first kernel, one program per row, before
-            the chain kernel walks (small batches: the walk's one program per request would leave most of
-            the GPU idle; rows past the stop are then read too). False: the chain kernel describes each row
+            the chain kernel walks (the walk then takes about a row's time instead of one row per accepted draft;
+            rows past the stop are read too). False: the chain kernel describes each row
             it reaches and reads no row past the stop. None: :func:`rows_in_parallel_by_default`. The
             results are the same either way (the same code describes a row).
         parts: with rows in parallel, split each row's first pass over this many programs (a kernel before

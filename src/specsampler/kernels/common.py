@@ -245,10 +245,11 @@ def randomness(seed, offset, u_accept: Tensor | None, u_sample: Tensor | None, B
     """The kernel arguments of a :class:`Randomness`: with ``seed``, the Philox keys as int64 ``[B]`` (ints
     broadcast, offset None = 0), else the given uniforms as contiguous float32 with their row strides; stand-ins
     (:func:`stand_in`) for the rest."""
-    floats, ints = stand_in(torch.float32, device), stand_in(torch.int64, device)
+    floats = stand_in(torch.float32, device)
     if seed is None:
         ua = floats if u_accept is None else u_accept.float().contiguous()
         us = floats if u_sample is None else u_sample.float().contiguous()
+        ints = stand_in(torch.int64, device)
         return dict(seed_ptr=ints, offset_ptr=ints, u_accept_ptr=ua, u_accept_stride=ua.stride(0), u_sample_ptr=us,
                     u_sample_stride=us.stride(0), philox=0)
     seed = torch.as_tensor(seed, dtype=torch.int64, device=device).expand(B).contiguous()

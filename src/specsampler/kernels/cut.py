@@ -121,6 +121,20 @@ def top_candidates(logits_row, mask_row, V, k, fscratch_row, iscratch_row, HAS_M
 
 
 @triton.jit
+def pack_kept(ids, w):
+    """Kept tokens as int64 ``id << 32 | weight's float32 bits`` (weights are non-negative: below 2**31), in id
+    order when sorted: how :func:`cut_candidates` sorts them and :func:`specsampler.kernels.describe.describe_row`
+    stores them."""
+    return (ids.to(tl.int64) << 32) | w.to(tl.int32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def unpack_kept(packed):
+    """The (ids int32, weights float32) of :func:`pack_kept`."""
+    return (packed >> 32).to(tl.int32), (packed & _INT32_MAX).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, iscratch_row, CAND: tl.constexpr):
     """Top-p and min-p among the first ``limit`` candidates (in order): the top-k set, or (top-p alone)
     the most likely tokens. The top-p target is ``top_p`` times their own mass if ``own_mass``, else
@@ -142,16 +156,14 @@ def cut_candidates(ids, x, limit, m, inv_t, own_mass, top_p, w_min, z_all, iscra
     kept_w = tl.where(keep, w, 0.0)
     tau = tl.sum(tl.where(j == last, x, 0.0), axis=0)
     id_cut = tl.sum(tl.where(j == last, ids, 0), axis=0)
-    # the kept tokens in id order, each with its weight (non-negative float32 bits, below 2**31), sorted from
-    # the start of the scratch (a NaN logit, first in order, is not kept: the kept ones are packed there)
-    packed = (ids.to(tl.int64) << 32) | kept_w.to(tl.int32, bitcast=True).to(tl.int64)
+    # the kept tokens in id order, sorted from the start of the scratch (a NaN logit, first in order, is not
+    # kept: the kept ones are packed there)
+    packed = pack_kept(ids, kept_w)
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # the candidates have been read
     tl.store(iscratch_row + pos, packed, mask=keep)
     tl.debug_barrier()
-    packed = sorted_prefix(iscratch_row, tl.sum(keep.to(tl.int32), axis=0), _NO_CAND, CAND)
-    cand_ids = (packed >> 32).to(tl.int32)
-    cand_w = (packed & _INT32_MAX).to(tl.int32).to(tl.float32, bitcast=True)
+    cand_ids, cand_w = unpack_kept(sorted_prefix(iscratch_row, tl.sum(keep.to(tl.int32), axis=0), _NO_CAND, CAND))
     reached = (top_p >= 1.0) | (mass >= target)
     return reached, tau, id_cut, tl.sum(kept_w, axis=0), cand_ids, cand_w
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .cut import cut_candidates, select_pivot, sorted_candidates, top_candidates
+from .cut import cut_candidates, pack_kept, select_pivot, sorted_candidates, top_candidates, unpack_kept
 from .rows import (
     first_pass,
     invert,
@@ -176,16 +176,15 @@ def describe_row_in_parts(logits_row, mask_row, V, temperature, top_k, top_p, mi
         id_cut = tl.where(keeps, id_cut, -1)
         z = tl.where(keeps, z, 0.0)
         cand_w = tl.where(keeps, cand_w, 0.0)
-    tl.store(cand_out + j, (cand_ids.to(tl.int64) << 32) | cand_w.to(tl.int32, bitcast=True).to(tl.int64))
+    tl.store(cand_out + j, pack_kept(cand_ids, cand_w))
     return m, inv_t, tau, id_cut, w_min, z, in_regs
 
 
 @triton.jit
 def unpack_candidates(cand_row, CAND: tl.constexpr):
-    """The kept tokens that :func:`describe_row` stored at ``cand_row`` (int64 ``[CAND]``, each
-    ``id << 32 | weight's float32 bits``): (cand_ids int32, cand_w float32) ``[CAND]``."""
-    packed = tl.load(cand_row + tl.arange(0, CAND))
-    return (packed >> 32).to(tl.int32), (packed & 0x7FFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    """The kept tokens that :func:`describe_row` stored at ``cand_row`` (int64 ``[CAND]``,
+    :func:`specsampler.kernels.cut.pack_kept`): (cand_ids int32, cand_w float32) ``[CAND]``."""
+    return unpack_kept(tl.load(cand_row + tl.arange(0, CAND)))
 
 
 @triton.jit

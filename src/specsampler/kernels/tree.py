@@ -543,7 +543,6 @@ def _tree_kernel(
     METHOD: tl.constexpr,  # METHODS[method]
     FROM_LOGITS: tl.constexpr,  # target rows are logits processed by their row's parameters
     WO: tl.constexpr,  # drafts drawn without replacement (rrs, traversal)
-     # the uniforms come from Philox keys
     HAS_MASK: tl.constexpr,  # vocab_mask_ptr is given
     ALIGNED: tl.constexpr,  # the row strides are multiples of 16 (rows.aligned_strides)
     BLOCK_V: tl.constexpr,  # vocabulary entries per block of the passes over probabilities and residuals
