@@ -44,6 +44,9 @@ class ShardVocab(Vocab):
     def mass(self, w: Tensor, keepdim: bool = False) -> Tensor:
         return self.all_reduce(row_mass(w, keepdim))
 
+    def has_mass(self, w: Tensor, keepdim: bool = False) -> Tensor:
+        return self.mass(w, keepdim) > 0  # the shards' masses summed: a shard alone does not know
+
     def _local(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Whether this rank holds each global id, and its column (0 where not)."""
         col = ids - self.shard.start

@@ -41,7 +41,22 @@ def as_weight(mass: Tensor) -> Tensor:
 
 def row_mass(w: Tensor, keepdim: bool = False) -> Tensor:
     """float64 ``[...]``: the mass of each row of weights ``[..., C]`` (an exact integer)."""
-    return masses(w, "row masses").sum(-1, keepdim=keepdim)
+    w = w.float()
+    if w.numel() < _SCRATCH_FROM or w.dim() == 0:
+        return masses(w).sum(-1, keepdim=keepdim)
+    # the masses with NaN kept (one pass fewer than masses()): a row holding a NaN sums to NaN and is redone
+    f = torch.clamp(w, 0.0, 1.0, out=SCRATCH.get("row masses (float32)", w.shape, torch.float32, w.device))
+    z = SCRATCH.get("row masses", w.shape, torch.float64, w.device).copy_(f.mul_(_ONE).floor_()).sum(-1, keepdim)
+    nan = z.isnan()
+    if bool(nan.any()):
+        z[nan] = masses(w[nan.squeeze(-1) if keepdim else nan]).sum(-1)
+    return z
+
+
+def has_mass(w: Tensor, keepdim: bool = False) -> Tensor:
+    """bool ``[...]``: whether each row of ``w`` ``[..., C]`` has a mass above 0, without summing: a mass
+    ``floor(w * 2**32)`` is at least 1 exactly where ``w >= 2**-32`` (NaN: not)."""
+    return (w >= 1 / _ONE).any(-1, keepdim=keepdim)
 
 
 def divide_by(w: Tensor, mass: Tensor) -> Tensor:
@@ -87,20 +102,117 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
 
     weights: float32 ``[R, C]`` in [0, 1] (need not be normalised); u: float32 ``[R]`` in [0, 1).
     Returns int64 ``[R]`` in ``[0, C)``: never a column without mass when the row has mass; 0 otherwise.
-    Wide rows are inverted in two steps, over the masses of chunks of 256 columns, then inside the chunk
-    found: the same column (the sums are exact), without the prefix sums of the whole row.
+    Wide rows are located from float32 sums of chunks of 256 columns with a certified error bound, and the
+    exact masses are taken of one chunk per row; a row where the bound leaves two columns possible (or whose
+    values are not all in [0, 1]) is drawn exactly (:func:`_draw_exactly`): the same column either way.
     """
     R, C = weights.shape
-    if C == 0:
+    if C == 0 or R == 0:
         return torch.zeros(R, dtype=torch.int64, device=weights.device)
-    m = masses(weights, "draw masses")
     if C < 4 * _CHUNK:
+        m = masses(weights, "draw masses")
         cum = m.cumsum(-1)
         return invert(cum, draw_target(u, cum[:, -1]))
+    return _draw_certified(weights, u)
+
+
+def _sum_error(n: int) -> float:
+    """``gamma(n - 1) = (n - 1) u / (1 - (n - 1) u)``, u = 2**-24: a float32 sum of ``n`` non-negative values,
+    added in any order, lies within this factor of the exact sum (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., section 4.2)."""
+    k = (n - 1) * 2.0**-24
+    return k / (1 - k)
+
+
+_GROUP = 16  # values per float32 sum of masses in the bounds (their error: gamma(15) < 1e-6 of the sum)
+
+
+def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Bounds on the masses of the chunks of 256 columns of each row, from float32 sums of masses.
+
+    w: float32 ``[R, C]``. Returns float64 ``lo``, ``hi`` ``[R, ceil(C / 256)]`` (integers, ``lo <= mass <=
+    hi``; both NaN in a row holding a NaN) and the masses float32 ``[R, C]`` (exact integers, NaN where ``w``
+    is; in the named scratch buffer). Each chunk's masses are summed in float32 by groups of 16 values, each sum
+    within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
+    integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
+    R, C = w.shape
+    f = torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
+                    else SCRATCH.get(scratch, w.shape, torch.float32, w.device)).mul_(_ONE).floor_()
+    full = C - C % _GROUP
+    sums = f[:, :full].unflatten(1, (full // _GROUP, _GROUP)).sum(-1)
+    if full < C:
+        sums = torch.cat([sums, f[:, full:].sum(-1, keepdim=True)], 1)
+    g = _sum_error(_GROUP)
+    s = torch.nn.functional.pad(sums.double(), (0, -sums.shape[1] % (_CHUNK // _GROUP)))
+    s = s.view(R, -1, _CHUNK // _GROUP).sum(-1)  # float64: exact (integers below 2**53)
+    return torch.ceil(s / (1 + g) * (1 - 2.0**-50)), torch.floor(s / (1 - g) * (1 + 2.0**-50)), f
+
+
+def mass_interval(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Bounds ``lo <= Z <= hi`` on each row's exact mass Z, float64 ``[R]`` integers, from one read of ``w``.
+
+    w: float32 ``[R, C]``, each value in [0, 1] or NaN (weights: a row holding a NaN gets ``[0, inf]``). The
+    float32 sums of groups of 16 values meet their exact sums within ``gamma(15)`` (:func:`_sum_error`), their
+    float64 total within ``2**-30`` (generously), and the masses' floors take less than 1 each: Z lies in
+    ``[2**32 S - C, 2**32 S]``, S the exact sum of the row.
+    """
+    R, C = w.shape
+    full = C - C % _GROUP
+    s = w[:, :full].unflatten(1, (full // _GROUP, _GROUP)).sum(-1).double().sum(-1)
+    if full < C:
+        s = s + w[:, full:].sum(-1).double()
+    g, scaled = _sum_error(min(C, _GROUP)), s * _ONE
+    hi = torch.floor(scaled / (1 - g) * (1 + 2.0**-30))
+    lo = (torch.ceil(scaled / (1 + g) * (1 - 2.0**-30)) - C).clamp_(min=0)
+    nan = s.isnan()
+    return lo.masked_fill_(nan, 0.0), hi.masked_fill_(nan, float("inf"))
+
+
+def _first_above(cum: Tensor, t: Tensor) -> Tensor:
+    """int64 ``[R]``: the first column of ``cum`` ``[R, C]`` (non-decreasing) greater than ``t`` ``[R]`` (C if
+    none)."""
+    return torch.searchsorted(cum, t[:, None].contiguous(), right=True)[:, 0]
+
+
+def _draw_certified(w: Tensor, u: Tensor) -> Tensor:
+    """:func:`sample_by_inversion` of rows of at least 1024 columns.
+
+    With the chunk masses' bounds ``lo <= M_k <= hi`` (:func:`chunk_mass_bounds`) the row's mass Z lies in
+    ``[sum lo, sum hi]`` and ``t = floor(u * Z)`` (monotone in Z) between the two ends' targets; the draw's
+    chunk (the first whose prefix mass exceeds t) is known when the first chunk whose upper prefix exceeds the
+    lowest t is also the first whose lower prefix exceeds the highest t. Inside it, the exact masses of its
+    256 columns give the column, known when the offset ``t - (mass before the chunk)``, in its interval, does
+    not straddle a column's boundary. Rows where either is not known (or holding a NaN) are drawn exactly.
+    """
+    R, C = w.shape
+    lo, hi, m = chunk_mass_bounds(w, "draw masses")
+    low_cum, high_cum = lo.cumsum(-1), hi.cumsum(-1)
+    t_low, t_high = draw_target(u, low_cum[:, -1]), draw_target(u, high_cum[:, -1])
+    chunk = _first_above(high_cum, t_low)
+    known = (low_cum[:, -1] > 0) & (chunk == _first_above(low_cum, t_high))  # NaN: False
+    chunk = chunk.clamp_(max=lo.shape[1] - 1)
+    before = (chunk - 1).clamp(min=0)[:, None]
+    low_before = torch.where(chunk > 0, low_cum.gather(1, before)[:, 0], 0.0)
+    high_before = torch.where(chunk > 0, high_cum.gather(1, before)[:, 0], 0.0)
+    cols = chunk[:, None] * _CHUNK + torch.arange(_CHUNK, device=w.device)
+    inner = torch.where(cols < C, m.gather(1, cols.clamp(max=C - 1)), 0.0).double().cumsum(-1)
+    col = _first_above(inner, t_low - high_before)
+    known &= (col == _first_above(inner, t_high - low_before)) & (col < _CHUNK)
+    token = (chunk * _CHUNK + col).clamp_(max=C - 1)
+    if not bool(known.all()):
+        redo = (~known).nonzero()[:, 0]
+        token[redo] = _invert_masses(torch.nan_to_num(m.index_select(0, redo), nan=0.0).double(), u[redo])
+    return token
+
+
+def _invert_masses(m: Tensor, u: Tensor) -> Tensor:
+    """:func:`sample_by_inversion` over exact masses float64 ``[R, C]``: the masses of chunks of 256 columns,
+    then inside the chunk found (the same column as over the whole row's prefix sums: the sums are exact)."""
+    R, C = m.shape
     chunks = (torch.nn.functional.pad(m, (0, -C % _CHUNK)) if C % _CHUNK else m).view(R, -(-C // _CHUNK), _CHUNK)
     csum = chunks.sum(-1).cumsum(-1)
     t = draw_target(u, csum[:, -1])
     c = invert(csum, t)
     before = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inner = chunks[torch.arange(R, device=weights.device), c]
+    inner = chunks[torch.arange(R, device=m.device), c]
     return (c * _CHUNK + invert(inner.cumsum(-1), t - before)).clamp_(max=C - 1)

@@ -23,7 +23,7 @@ from .filters import (
     _weights,
     _within,
 )
-from .masses import as_weight, masses, row_mass, top_p_target
+from .masses import as_weight, mass_interval, masses, row_mass, top_p_target
 from .scratch import SCRATCH
 from .topk import _by_row, _chunk_len, _positions, ordered_prefix
 
@@ -68,46 +68,99 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     L = _chunk_len(V)
     chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
     top, best = _max(x, chunk_max)
-    # unnormalised weights (the most likely token's 1), in a scratch buffer; z: each row's exact mass, target:
-    # the mass the nucleus reaches (float64 integers, :mod:`.masses`)
+    # unnormalised weights (the most likely token's 1), in a scratch buffer
     w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None, scratch="weights")
-    z = row_mass(w)
-    target = top_p_target(rp.top_p, z)
-    parts = []
     w_max = w.gather(1, best[:, None])
-    # the first token of the (weight desc, id asc) order: the lowest id of the largest weight
-    best = (w == w_max).to(torch.uint8).argmax(-1)
-    done = masses(w_max[:, 0]) >= target  # a token that alone reaches top-p is the nucleus
+    # a token that alone reaches top-p is the nucleus (decided from bounds on each row's mass, :class:`_Target`)
+    m_max = masses(w_max[:, 0])  # 0 for a row without mass (no finite logit), which is then done
+    target = _Target(w, rp.top_p, *mass_interval(w))
+    done = target.reached(m_max)
+    parts = []
     n_done = int(done.sum())
     if n_done:
         sub = None if n_done == r else done.nonzero()[:, 0]
-        mass = _take(z, sub).sign().float()[:, None]  # 1, or 0 for a row without mass (no finite logit)
-        parts.append(Part(_within(rows, sub), _take(best, sub)[:, None], mass))
+        first = _first_of_largest(_take(x, sub), _take(w, sub), _take(w_max, sub),
+                                  _take(chunk_max, sub) if chunk_max is not None else None)
+        mass = (_take(m_max, sub) > 0).float()[:, None]  # 1, or 0 for a row without mass
+        parts.append(Part(_within(rows, sub), first[:, None], mass))
         if sub is None:
             return parts
+    sub = _rows_where(~done)
+    rows, x, w, w_max, rp = _within(rows, sub), _take(x, sub), _take(w, sub), _take(w_max, sub), _take_params(rp, sub)
+    chunk_max = _take(chunk_max, sub) if chunk_max is not None else None
+    r = w.shape[0]
     if V <= _COUNT_WHOLE:  # short rows: counting them whole costs less than estimating
-        sub = _rows_where(~done)
-        parts += _counted_nuclei(_within(rows, sub), _take(w, sub), _take(target, sub), _take_params(rp, sub),
-                                 _take(w_max, sub))
-        return parts
-    lb, likely, size = _nucleus_bound(w, w_max, target, z, chunk_max)
-    small = (size <= SMALL_NUCLEUS // 2) & ~done
+        return parts + _counted_nuclei(rows, w, rp, w_max)
+    target = _Target(w, rp.top_p, _take(target.lo, sub), _take(target.hi, sub))
+    done = torch.zeros(r, dtype=torch.bool, device=x.device)
+    lb, likely, size = _nucleus_bound(w, w_max, target.high(), target.hi, chunk_max)
+    small = size <= SMALL_NUCLEUS // 2
     if bool(small.any()):  # a small nucleus: among the most likely tokens, found as for top-k
         sub = _rows_where(small)
         vals, head = ordered_prefix(_take(x, sub), SMALL_NUCLEUS, _take(chunk_max, sub) if chunk_max is not None
                                     else None)
         head_w = _take(w, sub).gather(1, head)
-        found = row_mass(head_w) >= _take(target, sub)
+        found = target.reached(row_mass(head_w), sub)
         if bool(found.any()):
-            got = _rows_where(found)
-            kept = _cut_candidates(_take(head_w, got), _take(head, got), _take_params(_take_params(rp, sub), got),
-                                   _take(_take(z, sub), got))
-            parts.append(_part_in_id_order(_within(rows, _within(sub, got)), _take(head, got), kept))
-            done = done.clone()
+            got = _within(sub, _rows_where(found))
+            head_w, head, rp_got = head_w[found], head[found], _take_params(rp, got)
+            kept = target.decide(lambda z: _cut_candidates(head_w, head, rp_got, z), got)
+            parts.append(_part_in_id_order(_within(rows, got), head, kept))
             done[(torch.arange(r, device=x.device) if sub is None else sub)[found]] = True
     if not bool(done.all()):
         parts += _large_nuclei(rows, w, torch.where(done, float("inf"), lb), likely, target, rp, w_max)
     return parts
+
+
+class _Target:
+    """The mass each row's nucleus must reach, ``ceil(top_p * Z)``, known from bounds ``lo <= Z <= hi`` on the
+    row's exact mass (:func:`~.masses.mass_interval`): a decision monotone in the target that both ends agree
+    on is the exact one; rows where they differ are given their exact mass (``lo = hi = Z``) and decided again.
+
+    w: float32 ``[r, V]``, the rows' weights (read only when a row is settled); top_p: float32 ``[r]``; lo, hi:
+    float64 ``[r]``.
+    """
+
+    def __init__(self, w: Tensor, top_p: Tensor, lo: Tensor, hi: Tensor):
+        self.w, self.top_p, self.lo, self.hi = w, top_p, lo.clone(), hi.clone()
+
+    def high(self) -> Tensor:
+        """float64 ``[r]``: the target at the upper bound (an estimate where the bounds differ)."""
+        return top_p_target(self.top_p, self.hi)
+
+    def _settle(self, open_rows: Tensor, sub: Tensor | None) -> None:
+        """Give the rows ``sub[open_rows]`` (``sub``: indices into the ``r`` rows, None for all) their exact mass."""
+        at = _within(sub, open_rows.nonzero()[:, 0])
+        z = row_mass(self.w.index_select(0, at))
+        self.lo[at], self.hi[at] = z, z
+
+    def reached(self, mass: Tensor, sub: Tensor | None = None) -> Tensor:
+        """bool ``[n]``: whether ``mass`` float64 ``[n]`` reaches the target of rows ``sub`` (None: all)."""
+        return self.decide(lambda z: mass >= top_p_target(_take(self.top_p, sub), z), sub)
+
+    def decide(self, fn, sub: Tensor | None = None) -> Tensor:
+        """``fn(z)`` for the exact masses ``z`` float64 ``[n]`` of rows ``sub`` (None: all): a tensor ``[n, ...]``
+        that depends on z only through a monotone decision on the target (e.g. a cut to it)."""
+        low, high = fn(_take(self.lo, sub)), fn(_take(self.hi, sub))
+        differ = (low != high).view(low.shape[0], -1).any(-1)
+        if not bool(differ.any()):
+            return low
+        self._settle(differ, sub)
+        return fn(_take(self.lo, sub))
+
+
+def _first_of_largest(x: Tensor, w: Tensor, w_max: Tensor, chunk_max: Tensor | None) -> Tensor:
+    """int64 ``[r]``: the first token of each row's (weight desc, id asc) order, the lowest id of the largest
+    weight ``w_max`` ``[r, 1]``. Weights do not decrease with the logit ``x``, so the tokens of that weight lead
+    the logits' order: found among its first 8 when the 8th weighs less (and the 1st that much), else by a scan."""
+    _, ids = ordered_prefix(x, 8, chunk_max)
+    ties = w.gather(1, ids) == w_max
+    first = torch.where(ties, ids, x.shape[1]).amin(-1)
+    scan = ~ties[:, 0] | ties[:, -1]
+    if bool(scan.any()):
+        rows = scan.nonzero()[:, 0]
+        first[rows] = (w[rows] == w_max[rows]).to(torch.uint8).argmax(-1)
+    return first
 
 
 def _max(x: Tensor, chunk_max: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -187,18 +240,22 @@ def _nucleus_bound(w: Tensor, w_max: Tensor, target: Tensor, z: Tensor,
     return lb, mass.gather(1, j[:, None])[:, 0] >= target, size
 
 
-def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tensor) -> list[Part]:
+def _counted_nuclei(rows, w: Tensor, rp: RowParams, w_max: Tensor) -> list[Part]:
     """Top-p rows whose nucleus holds more than one token, counted whole: the radix cut's first
-    digit (a histogram of each row's mass by bin, :func:`_first_digit`) finds the bin where
-    the nucleus ends. A bin's tokens weigh within 1.1% of each other, so its mass over its
-    lowest weight bounds its token count: rows with few tokens down to the crossing bin (up
-    to a sixteenth of the row) are compacted (candidates in id order), the others cut densely.
+    digit (a histogram of each row's mass by bin, :func:`_first_digit`, whose total is the row's
+    exact mass) finds the bin where the nucleus ends. A bin's tokens weigh within 1.1% of each
+    other, so its mass over its lowest weight bounds its token count: rows with few tokens down to
+    the crossing bin (up to a sixteenth of the row) are compacted (candidates in id order), the
+    others cut densely.
 
-    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); target: float64 ``[r]``;
-    w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
+    w: float32 ``[r, V]`` weights (only read: may be a scratch tensor); w_max: ``[r, 1]``, the weight of the
+    most likely token, for min-p.
     """
     r, V = w.shape
-    digit, crossing, above, hist, base = _first_digit(w, target)
+    digit, hist, base = _first_digit(w)
+    target = top_p_target(rp.top_p, hist.sum(-1))
+    above = torch.zeros(r, dtype=torch.float64, device=w.device)
+    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
     bins = torch.arange(_RADIX_KEYS, dtype=torch.int32, device=w.device)
     lowest = ((base + bins) << _RADIX_SHIFT).clamp_(min=0).view(torch.float32)  # each bin's lowest weight
     count = torch.where(hist > 0, as_weight(hist) / lowest, 0.0)  # at least each bin's tokens
@@ -225,15 +282,15 @@ def _counted_nuclei(rows, w: Tensor, target: Tensor, rp: RowParams, w_max: Tenso
     return parts
 
 
-def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, rp: RowParams, w_max) -> list[Part]:
+def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: _Target, rp: RowParams, w_max) -> list[Part]:
     """The rows with a finite ``lb``, whose nucleus holds more than the head.
 
     Their tokens above ``lb`` are compacted (candidates in id order) when their mass proves
     the nucleus is among them; rows whose tokens above ``lb`` are not ``likely`` to reach the
     target, or do not, are cut densely instead.
 
-    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb: ``[r]``; target: float64 ``[r]``; likely:
-    bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
+    w: float32 ``[r, V]`` weights (a scratch tensor: read only); lb: ``[r]``; target: the rows' :class:`_Target`;
+    likely: bool ``[r]``; w_max: ``[r, 1]``, the weight of the most likely token, for min-p.
     """
     r, V = w.shape
     compact = likely & (lb != float("inf"))
@@ -241,17 +298,19 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: Tensor, r
     if bool(compact.any()):
         flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
         _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
-        compact &= row_mass(cand) >= target  # rows short of it drop out
+        compact &= target.reached(row_mass(cand))  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)
-        ids, cand = _take(ids, sub), _take(cand, sub)
-        cut_to_mass(cand, _take(target, sub), out=cand)
+        ids, cand, top_p = _take(ids, sub), _take(cand, sub), _take(rp.top_p, sub)
+        cand = target.decide(lambda z: cut_to_mass(cand, top_p_target(top_p, z)), sub)
         parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
     if bool(dense.any()):
         sub = _rows_where(dense)
         rows_w = w if sub is None else w[sub]  # the scratch weights are only read; a selection is a copy
-        rows_w = cut_to_mass(rows_w, _take(target, sub), out=None if sub is None else rows_w)
+        target._settle(torch.ones(rows_w.shape[0], dtype=torch.bool, device=w.device), sub)
+        z = _take(target.lo, sub)
+        rows_w = cut_to_mass(rows_w, top_p_target(_take(rp.top_p, sub), z), out=None if sub is None else rows_w)
         parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub)))
     return parts
 
@@ -279,26 +338,25 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     w: float32 ``[r, C]`` in [0, 1]. target: float64 ``[r]``, absolute mass. out: where to write
     the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
     """
-    digit, crossing, above, _, _ = _first_digit(w, target)
+    digit, hist, _ = _first_digit(w)
+    above = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
+    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
     return _cut_from(w, digit, crossing, above, target, out)
 
 
-def _first_digit(w: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _first_digit(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The radix cut's first digit, over the whole matrix: each row's weights binned by bits
     30..17 (64 bins per octave) relative to its largest, 2047 bins over the 32 octaves below
-    it and the lowest bin (0) holding everything further below; a histogram of mass by bin
-    gives the bin where the prefix mass crosses the target.
+    it and the lowest bin (0) holding everything further below, and a histogram of mass by bin,
+    in which :func:`_cross` finds the bin where the prefix mass crosses a target.
 
-    w: float32 ``[r, C]`` in [0, 1]; target: float64 ``[r]``. Returns the bins int32 ``[r, C]`` (a scratch
-    tensor), the crossing bin int32 ``[r, 1]`` (-1 if never), the mass above it float64 ``[r]``, the
-    histogram of masses float64 ``[r, 2048]`` and the bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
+    w: float32 ``[r, C]`` in [0, 1]. Returns the bins int32 ``[r, C]`` (a scratch tensor), the histogram of
+    masses float64 ``[r, 2048]`` (its total: each row's exact mass) and the bit pattern >> 17 of bin 0, int32
+    ``[r, 1]``.
     """
     base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
     digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
-    hist = _histogram(digit, masses(w, "cut masses"), _RADIX_KEYS)
-    above = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
-    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
-    return digit, crossing, above, hist, base
+    return digit, _histogram(digit, masses(w, "cut masses"), _RADIX_KEYS), base
 
 
 def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target: Tensor,

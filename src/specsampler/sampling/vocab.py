@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .masses import divide_by, row_mass, sample_by_inversion
+from .masses import divide_by, has_mass, row_mass, sample_by_inversion
 
 
 class Vocab:
@@ -24,6 +24,10 @@ class Vocab:
     def mass(self, w: Tensor, keepdim: bool = False) -> Tensor:
         """float64 ``[...]``: the exact mass (an integer) of each row of weights ``[..., width]`` in [0, 1]."""
         return row_mass(w, keepdim)
+
+    def has_mass(self, w: Tensor, keepdim: bool = False) -> Tensor:
+        """bool ``[...]``: whether each row of weights ``[..., width]`` has a mass above 0 (:meth:`mass` ``> 0``)."""
+        return has_mass(w, keepdim)
 
     def normalise(self, w: Tensor) -> Tensor:
         """Rows divided by their exact sums (a new tensor; rows without mass all 0)."""

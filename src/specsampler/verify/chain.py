@@ -216,7 +216,7 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
             rejected = n < c.num_drafts
             q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
             stop.sub_(q_rows.mul_(rejected[:, None])).clamp_(min=0.0)
-            empty = rejected & (c.vocab.mass(stop) == 0)
+            empty = rejected & ~c.vocab.has_mass(stop)
             if bool(empty.any()):  # a residual without mass: draw from p itself
                 stop[empty] = target.select(stop_rows[empty]).dense()
         y = c.vocab.draw(stop, u_draw.gather(1, n[:, None])[:, 0])
@@ -231,7 +231,7 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     stop = bonus
     if K:
         residual = w[batch, tau.clamp(max=K - 1)]
-        stop = torch.where((tau < c.num_drafts)[:, None] & (c.vocab.mass(residual, keepdim=True) > 0), residual, bonus)
+        stop = torch.where((tau < c.num_drafts)[:, None] & c.vocab.has_mass(residual, keepdim=True), residual, bonus)
     y = c.vocab.draw(stop, u_draw.gather(1, tau[:, None])[:, 0])
     return _result(c, tau, y, lambda: _block_expected(h))
 
