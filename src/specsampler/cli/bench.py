@@ -127,6 +127,11 @@ def sort_sampler(logits: Tensor, temperature: float, top_k: int, top_p: float, g
     return order.gather(1, choice)[:, 0]
 
 
+def softmax_multinomial(logits: Tensor, temperature: float, generator: torch.Generator) -> Tensor:
+    """Plain temperature sampling as PyTorch users write it: softmax, then ``torch.multinomial``."""
+    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
+
+
 def materialising_chain_verify(p: Tensor, x: Tensor, q: Tensor, generator: torch.Generator) -> Tensor:
     """Token-level verification that builds the residual distribution at every position."""
     B, K = x.shape
@@ -188,27 +193,32 @@ def chain_case(device: torch.device, g: torch.Generator, gd: torch.Generator) ->
         "chain_verify", {"B": B, "K": K, "V": V, "method": "token"}, [p, x, q],
         lambda: verify_chain(p, x, q, method="token", rng=rng),
         {"materialising": lambda: materialising_chain_verify(p, x, q, gd)},
-        {"min_speedup": {"materialising": 10}, "max_floor_ratio": 3},
+        {"min_speedup": {"materialising": 10}, "max_floor_ratio": 2},
     )
 
 
 def sampling_cases(device: torch.device, g: torch.Generator, gd: torch.Generator, quick: bool) -> list[Case]:
-    """Sampling from logits (B=64, V=128256): top-k with top-p, and top-p alone (a nucleus of
+    """Sampling from logits (B=64, V=128256): temperature alone, top-k with top-p, and top-p alone (a nucleus of
     thousands of tokens: logits ~ N(0, 3^2) at temperature 0.8)."""
     B, V = (16, 128256) if quick else (64, 128256)
     logits = (torch.randn(B, V, generator=g) * 3).to(device)
     rng = Philox(torch.arange(B, device=device))
+    plain = SamplingParams(temperature=0.8)
     both = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
     nucleus = SamplingParams(temperature=0.8, top_p=0.9)
     return [
+        Case("sample_from_logits", {"B": B, "V": V, "temperature": 0.8}, [logits],
+             lambda: sample_from_logits(logits, plain, rng),
+             {"softmax_multinomial": lambda: softmax_multinomial(logits, 0.8, gd)},
+             {"min_speedup": {"softmax_multinomial": 1}, "max_floor_ratio": 2.5}),
         Case("sample_from_logits", {"B": B, "V": V, "temperature": 0.8, "top_k": 50, "top_p": 0.9}, [logits],
              lambda: sample_from_logits(logits, both, rng),
              {"sort_based": lambda: sort_sampler(logits, 0.8, 50, 0.9, gd)},
-             {"min_speedup": {"sort_based": 50}, "max_floor_ratio": 10}),
+             {"min_speedup": {"sort_based": 50}, "max_floor_ratio": 3.5}),
         Case("sample_from_logits", {"B": B, "V": V, "temperature": 0.8, "top_p": 0.9, "nucleus": "thousands"},
              [logits], lambda: sample_from_logits(logits, nucleus, rng),
              {"sort_based": lambda: sort_sampler(logits, 0.8, 0, 0.9, gd)},
-             {"min_speedup": {"sort_based": 20}, "max_floor_ratio": 40}),
+             {"min_speedup": {"sort_based": 30}, "max_floor_ratio": 15}),
     ]
 
 
@@ -231,7 +241,7 @@ def tree_case(device: torch.device, g: torch.Generator, gd: torch.Generator, qui
         [logits],
         lambda: verify_tree_from_logits(logits, tokens, tree, params, method="target_only", rng=rng),
         {"every_node": lambda: every_node_tree_verify(logits, tokens, parents, 1.0, 0.9, gd)},
-        {"min_speedup": {"every_node": 20}, "max_floor_ratio": 4},
+        {"min_speedup": {"every_node": 20}, "max_floor_ratio": 2},
     )
 
 
@@ -306,7 +316,7 @@ def plot_speedups(records: list[dict], path: str) -> None:
 # ----------------------------------------------------------------------------- generation
 
 
-LIBRARY_SHARE_TARGET = 0.15  # the library's time per step, at most this share of the models' forward time (B = 1)
+LIBRARY_SHARE_TARGET = 0.30  # the library's time per step, at most this share of the models' forward time (B = 1)
 
 
 def _load_avg() -> list[float] | None:
@@ -356,7 +366,9 @@ def run_generate(device: str = "cpu", reps: int = 3, quick: bool = False, out: s
             for rec in records:
                 spec = rec["settings"] is not None
                 if B == 1 and spec:
-                    rec["met"] = rec["library_share"] is not None and rec["library_share"] <= LIBRARY_SHARE_TARGET
+                    # and no slower than plain sampling
+                    rec["met"] = (rec["library_share"] is not None and rec["library_share"] <= LIBRARY_SHARE_TARGET
+                                  and rec["speedup"] >= 1.0)
                 met = "" if "met" not in rec else ("" if rec["met"] else "  over target")
                 print(f"{rec['method']:<30}{B:>3}{rec['tokens_per_s']:>10.1f}{rec['speedup']:>8.2f}x"
                       f"{rec['wall_ms']:>10.1f}{rec['forward_ms']:>12.1f}{rec['steps']:>7}"
