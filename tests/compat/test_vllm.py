@@ -202,8 +202,12 @@ def test_forward_samples_the_bonus_with_the_callers_sampler_and_parse_output_dro
 class LogprobSampler(ArgmaxSampler):
     """Also vLLM's logprob interface: the bonus rows' logits come back as ``logprobs_tensors.logprobs``."""
 
+    def __init__(self, logprobs_mode="raw_logprobs"):
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
-        assert logprobs_mode_override == "raw_logits"
+        processed = self.logprobs_mode.startswith("processed")
+        assert logprobs_mode_override == ("processed_logits" if processed else "raw_logits")
         out = super().__call__(logits, sampling_metadata, predict_bonus_token)
         return vllm.SamplerOutput(out.sampled_token_ids, logprobs_tensors=SimpleNamespace(logprobs=logits))
 
@@ -226,6 +230,60 @@ def test_forward_returns_the_logprob_of_each_output_slot():
     expected = logits.log_softmax(-1)[[0, 1, 2, 3], tokens.flatten()[[0, 1, 2, 3]].long()]
     got = out.logprobs_tensors.reshape(2, 3)
     assert torch.allclose(got[0], expected[:3]) and torch.allclose(got[1, 0], expected[3])
+
+
+def stale_tails(monkeypatch, stale):
+    """Make ``forward``'s verification leave ``stale`` (a draft id of an earlier step, not a placeholder) in
+    every slot past each request's tokens, as an engine's reused output buffer can."""
+    verify = vllm.rejection_sample
+
+    def with_stale_tails(draft_token_ids, num_draft_tokens, *args, **kwargs):
+        out = verify(draft_token_ids, num_draft_tokens, *args, **kwargs)
+        past = torch.arange(out.shape[1]) > torch.tensor(num_draft_tokens)[:, None]
+        return out.masked_fill(past, stale)
+
+    monkeypatch.setattr(vllm, "rejection_sample", with_stale_tails)
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+@pytest.mark.parametrize("drafts", [[[1, 2, 3], [], [4], [0, 1]], [[], [2, 2]], [[3], []], [[]]],
+                         ids=["ragged", "first-without-drafts", "last-without-drafts", "one-without-drafts"])
+def test_logprobs_of_each_request_come_from_its_own_rows_whatever_its_tail_holds(monkeypatch, logprobs_mode, drafts):
+    """Every slot of request b, its stale tail included, is a function of b's logits alone: changing every
+    other request's rows leaves b's logprobs bit for bit unchanged (clamping the tail's rows to the flat
+    layout reads the next request's rows and fails this)."""
+    stale_tails(monkeypatch, stale=4)
+    md = spec_metadata(drafts)
+    if len(drafts) == 1:
+        md.max_spec_len = 3  # a one-request batch with tail slots past its bonus row
+    width = md.max_spec_len + 1
+    sampler = vllm.RejectionSampler(LogprobSampler(logprobs_mode))
+    ends = np.cumsum([len(d) + 1 for d in drafts]).tolist()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(ends[-1], V, generator=g)
+    B = len(drafts)
+
+    def sm():  # sampled at temperature 0.5 (processed rows differ from raw ones), each request on its own seed
+        return metadata(temperature=torch.full((B,), 0.5), max_num_logprobs=0,
+                        generators={b: torch.Generator().manual_seed(b) for b in range(B)})
+
+    base = sampler(md, None, logits.clone(), sm())
+    assert (base.sampled_token_ids[:, 1:] == 4).any() or width == 1
+    for b, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        others = logits.clone()
+        others[:start] = torch.randn(start, V, generator=g)
+        others[end:] = torch.randn(len(others) - end, V, generator=g)
+        got = sampler(md, None, others, sm()).logprobs_tensors.view(B, width)
+        assert torch.equal(got[b], base.logprobs_tensors.view(B, width)[b]), (b, drafts)
+
+
+def test_logprobs_past_a_requests_tokens_are_those_of_a_row_of_zeros(monkeypatch):
+    stale_tails(monkeypatch, stale=2)
+    drafts = [[1], [3, 3]]
+    out = vllm.RejectionSampler(LogprobSampler())(spec_metadata(drafts), None, torch.randn(5, V),
+                                                   metadata(max_num_logprobs=0))
+    assert out.sampled_token_ids[0, 2] == 2  # request 0 has 2 slots (a draft, the bonus); its third is stale
+    assert out.logprobs_tensors.view(2, 3)[0, 2] == -torch.tensor(float(V)).log()  # token 0 under uniform zeros
 
 
 def test_forward_applies_top_k_per_request():

@@ -153,19 +153,42 @@ class RejectionSampler(nn.Module):
 
     def _get_logprobs_tensors(self, max_num_logprobs: int, metadata: Any, logits: Tensor, target_logits: Tensor,
                               bonus_logits: Tensor, sampled_token_ids: Tensor) -> Any:
-        """Logprobs of every output slot (rejected slots read token 0; ``parse_output`` drops them)."""
-        starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
-        starts[1:] = metadata.cu_num_sampled_tokens[:-1]
-        final_logits = torch.zeros_like(logits, dtype=torch.float32)
-        final_logits[metadata.target_logits_indices] = target_logits.to(torch.float32)
-        final_logits[metadata.bonus_logits_indices] = bonus_logits.to(torch.float32)
-        offsets = torch.arange(sampled_token_ids.shape[-1], device=starts.device, dtype=starts.dtype)
-        rows = (starts[:, None] + offsets[None, :]).flatten().clamp_(max=final_logits.shape[0] - 1)
-        tokens = sampled_token_ids.flatten().clone()
-        tokens[tokens == PLACEHOLDER_TOKEN_ID] = 0
-        accepted_logits = final_logits[rows]
-        logprobs = accepted_logits if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(accepted_logits)
-        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens.to(torch.int64))
+        """Logprobs of every output slot, each from its own request's rows (``parse_output`` drops placeholders).
+
+        Slot ``[b, j]`` reads request b's draft row j for ``j < n_b``, its bonus row for ``j == n_b`` and,
+        past them, a row of zeros that belongs to no request, whatever token id the slot holds (a stale
+        draft id left in an engine's buffer included); placeholders and ids outside ``[0, V)`` gather
+        token 0. vLLM maps slot j to flat row ``cu_num_sampled_tokens[b - 1] + j`` clamped to the last
+        row, so a tail slot there reads the next request's rows.
+
+        Args:
+            metadata: ``num_draft_tokens`` (B ints) is read.
+            logits: float ``[T + B, V]``: only its vocabulary size is read.
+            target_logits: float ``[T, V]``: the draft rows (raw or processed, per ``logprobs_mode``).
+            bonus_logits: float ``[B, V]``: the bonus rows.
+            sampled_token_ids: integer ``[B, max_spec_len + 1]`` from :func:`rejection_sample`.
+        Returns:
+            what ``sampler.gather_logprobs`` returns for ``B * (max_spec_len + 1)`` rows, slot-major.
+        """
+        op = "RejectionSampler"
+        B, width = sampled_token_ids.shape
+        V = logits.shape[-1]
+        counts = list(metadata.num_draft_tokens)
+        if len(counts) != B or any(n < 0 or n >= width for n in counts) or sum(counts) != target_logits.shape[0]:
+            fail(op, "metadata.num_draft_tokens", f"B = {B} counts in [0, {width - 1}] summing to the "
+                 f"{target_logits.shape[0]} draft rows", counts)
+        if tuple(bonus_logits.shape) != (B, V):
+            fail(op, "bonus logits", f"shape [B, V] = [{B}, {V}]", list(bonus_logits.shape))
+        dev = target_logits.device
+        chain = _Chain.of(counts, width - 1, dev)
+        rows = torch.cat([chain.pad(target_logits.float(), 0.0), target_logits.new_zeros(B, 1, V).float()], 1)
+        rows[torch.arange(B, device=dev), chain.counts] = bonus_logits.to(device=dev, dtype=torch.float32)
+        tokens = sampled_token_ids.to(dev).long()
+        own = torch.arange(width, device=dev) <= chain.counts[:, None]
+        tokens = torch.where(own & (tokens >= 0) & (tokens < V), tokens, 0).flatten()
+        rows = rows.flatten(0, 1)
+        logprobs = rows if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(rows)
+        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)
 
     @staticmethod
     def parse_output(output_token_ids: Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
