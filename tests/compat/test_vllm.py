@@ -357,3 +357,28 @@ def test_bad_arguments_raise_value_errors_naming_them():
         kw.update(change)
         with pytest.raises(ValueError, match=f"rejection_sample: {name}"):
             vllm.rejection_sample(**kw)
+
+
+def test_a_flattened_layout_that_hands_a_request_other_requests_rows_is_a_value_error():
+    """``cu_num_draft_tokens`` that disagrees with ``num_draft_tokens`` (or does not end at T) would give a request
+    rows of its neighbours: every function that reads it says so, naming it and the request."""
+    x, logits = torch.tensor([1, 2, 3], dtype=torch.int32), torch.zeros(3, V)
+    sm = metadata(temperature=torch.ones(2))
+    with pytest.raises(ValueError, match=r"rejection_sample: cu_num_draft_tokens: .* \(request 0\)"):
+        vllm.rejection_sample(x, [2, 1], 2, torch.tensor([1, 3]), None, logits, torch.tensor([[0], [0]]), sm)
+    probs = torch.full((3, V), 1.0 / V)
+    with pytest.raises(ValueError, match=r"sample_recovered_tokens: cu_num_draft_tokens: .* \(request 1\)"):
+        vllm.sample_recovered_tokens(2, [2, 1], torch.tensor([2, 2]), x, None, probs, sm, "cpu")
+    with pytest.raises(ValueError, match="sample_recovered_tokens: num_draft_tokens"):
+        vllm.sample_recovered_tokens(2, [2, 2], torch.tensor([2, 4]), x, None, probs, sm, "cpu")
+    with pytest.raises(ValueError, match=r"apply_sampling_constraints: cu_num_draft_tokens: .* \(request 1\)"):
+        vllm.apply_sampling_constraints(logits.clone(), torch.tensor([2, 1]), sm)
+    with pytest.raises(ValueError, match="apply_sampling_constraints: cu_num_draft_tokens: expected a last value"):
+        vllm.apply_sampling_constraints(logits.clone(), torch.tensor([1, 2]), sm)
+
+
+def test_sampling_constraints_reach_each_draft_row_of_its_own_request_around_requests_without_drafts():
+    logits = torch.ones(3, V)
+    sm = metadata(temperature=torch.tensor([2.0, 100.0, 0.5, 10.0]))
+    out = vllm.apply_sampling_constraints(logits, torch.tensor([0, 2, 2, 3]), sm)  # drafts: 0, 2, 0, 1
+    assert torch.allclose(out[:, 0], torch.tensor([0.01, 0.01, 0.1]))

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from specsampler import Philox, SamplingParams, logits_to_probs, verify_chain_from_logits
-from specsampler.validation import check_shape, check_tensor, fail
+from specsampler.validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
 
 from .metadata import LogitsProcessors, SamplerOutput, SamplingMetadata, SpecDecodeMetadata
 
@@ -309,6 +309,22 @@ def _apply_bad_words_with_drafts(logits: Tensor, bad_words_token_ids: dict[int, 
 # ----------------------------------------------------------------------------- functions
 
 
+def _check_cu(op: str, cu_num_draft_tokens: Tensor, num_draft_tokens: list[int]) -> None:
+    """``cu_num_draft_tokens`` (integer ``[B]``) is the inclusive cumulative sum of ``num_draft_tokens``.
+
+    Request b owns draft rows ``[cu[b - 1], cu[b])``: a wrong sum hands a request another request's rows.
+    The values are compared on the CPU (free there); on a device the functions read the list alone.
+    """
+    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
+    B = len(num_draft_tokens)
+    check_shape(op, "cu_num_draft_tokens", cu_num_draft_tokens, (B,), "[B] (len(num_draft_tokens))")
+    if values_checkable(cu_num_draft_tokens, False):
+        expected = torch.tensor(num_draft_tokens, dtype=torch.int64).cumsum(0)
+        check_no_bad(op, "cu_num_draft_tokens", cu_num_draft_tokens.long() != expected, cu_num_draft_tokens,
+                     f"the cumulative sums of num_draft_tokens {expected.tolist()}")
+
+
+
 def apply_sampling_constraints(logits: Tensor, cu_num_draft_tokens: Tensor, sampling_metadata: Any) -> Tensor:
     """Temperature, then top-k, then top-p per request, on the draft rows' logits (in place).
 
@@ -324,8 +340,19 @@ def apply_sampling_constraints(logits: Tensor, cu_num_draft_tokens: Tensor, samp
     """
     if sampling_metadata.all_greedy:
         return logits
-    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
-    expand = lambda x: torch.repeat_interleave(x, counts.to(x.device), output_size=logits.shape[0])
+    op = "apply_sampling_constraints"
+    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
+    T, cu = logits.shape[0], cu_num_draft_tokens.long()
+    if values_checkable(cu, False):
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))
+        check_no_bad(op, "cu_num_draft_tokens", counts < 0, cu, "non-decreasing values from 0 (cumulative counts)")
+        last = int(cu[-1]) if cu.numel() else 0
+        if last != T:
+            fail(op, "cu_num_draft_tokens", f"a last value of T = {T} (rows of logits)", last)
+    # row t belongs to the first request whose range ends after t (a clamp keeps bad ranges on a device in range)
+    request = torch.searchsorted(cu.to(logits.device), torch.arange(T, device=logits.device), right=True)
+    request = request.clamp_(max=max(cu.numel() - 1, 0))
+    expand = lambda x: x.to(logits.device)[request]
     temperature = expand(sampling_metadata.temperature)
     temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
     logits.div_(temperature.unsqueeze(-1).to(logits.dtype))
@@ -376,7 +403,12 @@ def sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int], cu_n
     Returns:
         ``draft_token_ids``'s shape and dtype, ids in ``[0, V)``.
     """
+    op = "sample_recovered_tokens"
     B, V = len(num_draft_tokens), target_probs.shape[-1]
+    T = draft_token_ids.shape[0]
+    if any(n < 0 for n in num_draft_tokens) or sum(num_draft_tokens) != T:
+        fail(op, "num_draft_tokens", f"B counts >= 0 summing to T = {T} (rows of draft_token_ids)", num_draft_tokens)
+    _check_cu(op, cu_num_draft_tokens, num_draft_tokens)
     e = torch.empty((B, V), dtype=torch.float64 if use_fp64_gumbel else torch.float32, device=device)
     e.exponential_()
     for i, generator in sampling_metadata.generators.items():
@@ -438,8 +470,6 @@ def rejection_sample(
     check_tensor(op, "target_logits", target_logits, kind="float", ndim=2)
     T, V = target_logits.shape
     check_shape(op, "draft_token_ids", draft_token_ids, (T,), "[T] (rows of target_logits)")
-    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
-    check_shape(op, "cu_num_draft_tokens", cu_num_draft_tokens, (B,), "[B] (len(num_draft_tokens))")
     if draft_probs is not None:
         check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=2)
         check_shape(op, "draft_probs", draft_probs, (T, V), "[T, V]")
@@ -448,6 +478,7 @@ def rejection_sample(
         fail(op, "bonus_token_ids", f"B = {B} tokens ([B, 1])", list(bonus_token_ids.shape))
     if sum(num_draft_tokens) != T or any(n < 0 or n > K for n in num_draft_tokens):
         fail(op, "num_draft_tokens", f"B counts in [0, max_spec_len = {K}] summing to T = {T}", num_draft_tokens)
+    _check_cu(op, cu_num_draft_tokens, num_draft_tokens)
     if verify_method not in ("standard", "block"):
         fail(op, "verify_method", "'standard' or 'block'", repr(verify_method))
     dev = target_logits.device
