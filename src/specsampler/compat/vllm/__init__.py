@@ -24,6 +24,13 @@ from torch import Tensor
 from specsampler import Philox, SamplingParams, logits_to_probs, verify_chain_from_logits
 from specsampler.validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
 
+from .block import _BLOCK_VERIFY_VOCAB_BLOCK as _BLOCK_VERIFY_VOCAB_BLOCK
+from .block import (
+    rejection_random_sample_block_verify_kernel,
+    rejection_random_sample_block_verify_pytorch,
+    sample_recovered_tokens_block_verify_kernel,
+    sample_recovered_tokens_blockwise_pytorch,
+)
 from .metadata import LogitsProcessors, SamplerOutput, SamplingMetadata, SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -42,8 +49,12 @@ __all__ = [
     "SpecDecodeMetadata",
     "apply_sampling_constraints",
     "generate_uniform_probs",
+    "rejection_random_sample_block_verify_kernel",
+    "rejection_random_sample_block_verify_pytorch",
     "rejection_sample",
     "sample_recovered_tokens",
+    "sample_recovered_tokens_block_verify_kernel",
+    "sample_recovered_tokens_blockwise_pytorch",
     "unconditional_to_conditional_rates",
 ]
 
