@@ -196,3 +196,24 @@ def test_the_triton_path_gives_the_outputs_of_the_pytorch_path(monkeypatch):
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
     for got, want in zip(_dispatch_outputs(), reference):
         assert torch.equal(got, want)
+
+
+def test_rows_wider_than_a_request_are_refused_where_b_times_n_would_reach_the_next_request():
+    """The kernels index every tensor as ``b * N + i``: with rows wider than N, request 1 would read request 0's
+    targets (and write into its outputs). Each such tensor is refused, naming it; flat ones are read as before."""
+    candidates, target = _greedy_case()
+    wide = torch.cat([target, torch.full((2, 1), 8)], 1)  # [2, 5]: the flat positions 4..7 straddle rows 0 and 1
+    predicts, accept_index, accept_token_num = _outputs(2, 4)
+    with pytest.raises(KernelCheckError, match=r"verify_chain_greedy: target_predict: expected shape \[2, 4\]"):
+        verify_chain_greedy(predicts, accept_index, accept_token_num, candidates, wide, 2, 4)
+    with pytest.raises(ValueError, match=r"^target_sampled rows must hold 4 tokens, got shape \(2, 5\)$"):
+        verify_chain_target_sampled(predicts, accept_index, accept_token_num, candidates, wide)
+    with pytest.raises(KernelCheckError, match=r"predicts: expected rows of N = 4 positions"):
+        verify_chain_greedy(torch.full((2, 5), S, dtype=torch.int32), accept_index, accept_token_num, candidates,
+                            target, 2, 4)
+    p = torch.full((2, 4, 3), 1 / 3)
+    with pytest.raises(KernelCheckError, match=r"accept_index: expected rows of N = 4 positions"):
+        chain_speculative_sampling_target_only(predicts, torch.full((2, 5), S, dtype=torch.int32), accept_token_num,
+                                               candidates % 3, torch.rand(2, 4), torch.rand(2), p)
+    verify_chain_target_sampled(predicts, accept_index, accept_token_num, candidates, target.reshape(-1))
+    assert accept_token_num.tolist() == [2, 0]

@@ -25,9 +25,12 @@ def _check_int32(op: str, **named: Tensor) -> None:
         check(op, t.dtype == torch.int32, name, "dtype int32", t.dtype)
 
 
-def _flat(op: str, name: str, t: Tensor, size: int) -> Tensor:
-    """A flat view of an output the kernels index as ``b * N + i``: writes through it land in ``t``."""
-    check(op, t.numel() >= size, name, f"at least {size} elements (B * N)", t.numel())
+def _flat(op: str, name: str, t: Tensor, B: int, N: int) -> Tensor:
+    """A flat view of a tensor the kernels index as ``b * N + i``: writes through it land in ``t``. A tensor of
+    rows must have rows of N (with longer rows, ``b * N + i`` would reach into another request's row)."""
+    check(op, t.numel() >= B * N, name, f"at least {B * N} elements (B * N)", t.numel())
+    check(op, t.dim() < 2 or t.shape[-1] == N, name, f"rows of N = {N} positions (one row per request)",
+          list(t.shape))
     try:
         return t.view(-1)
     except RuntimeError:
@@ -43,9 +46,9 @@ def _write_prefix(predicts: Tensor, accept_index: Tensor, accept_token_num: Tens
     pos = torch.arange(N, device=values.device)
     slots = torch.arange(B, device=values.device)[:, None] * N + pos
     within = pos <= n[:, None]
-    flat_index = _flat(op, "accept_index", accept_index, B * N)
+    flat_index = _flat(op, "accept_index", accept_index, B, N)
     flat_index[: B * N] = torch.where(within, slots, flat_index[: B * N].view(B, N)).reshape(-1).to(flat_index.dtype)
-    flat_predicts = _flat(op, "predicts", predicts, B * N)
+    flat_predicts = _flat(op, "predicts", predicts, B, N)
     flat_predicts.index_put_((slots[within],), values[within].to(flat_predicts.dtype))
     accept_token_num[:B] = n.to(accept_token_num.dtype)
 
@@ -95,12 +98,12 @@ def verify_chain_greedy(
     op = "verify_chain_greedy"
     bs, N = int(batch_size), int(num_draft_tokens)
     check_dims(op, {"accept_index": (accept_index, (bs, N)), "accept_token_num": (accept_token_num, (bs,)),
-                    "candidates": (candidates, (bs, N)), "target_predict": (target_predict, (bs, None))},
+                    "candidates": (candidates, (bs, N)), "target_predict": (target_predict, (bs, N))},
                candidates.device)
     _check_int32(op, predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
                  candidates=candidates)
     check(op, target_predict.dtype == torch.int64, "target_predict", "dtype int64", target_predict.dtype)
-    targets = _flat(op, "target_predict", target_predict.reshape(-1), bs * N)[: bs * N].view(bs, N)
+    targets = target_predict
     _verify_given(op, predicts, accept_index, accept_token_num, candidates, targets)
 
 
@@ -132,6 +135,8 @@ def verify_chain_target_sampled(
         raise ValidationError(f"accept_token_num is too small: {accept_token_num.shape[0]} < {bs}")
     if target_sampled.numel() < total:
         raise ValidationError(f"target_sampled is too small: {target_sampled.numel()} < {total}")
+    if target_sampled.dim() > 1 and target_sampled.shape[-1] != N:  # b * N + i would cross into another row
+        raise ValidationError(f"target_sampled rows must hold {N} tokens, got shape {tuple(target_sampled.shape)}")
     for name, t in (("candidates", candidates), ("predicts", predicts), ("accept_index", accept_index),
                     ("accept_token_num", accept_token_num)):
         if t.dtype != torch.int32:
