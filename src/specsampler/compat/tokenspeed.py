@@ -163,8 +163,8 @@ def _sentinel_threshold(op: str, value: object, use_draft_prob: bool) -> Tensor 
         check(op, not use_draft_prob, "reject_draft_prob_threshold", "a number >= 1.0 with use_draft_prob=True",
               None)
         return None
-    try:
-        t = float(value)
+    try:  # a number (or a one-element tensor), as tokenspeed's float(); not a string or a bool
+        t = None if isinstance(value, (str, bytes, bool)) else float(value)
     except (TypeError, ValueError, RuntimeError):
         t = None
     check(op, t is not None and t >= 1.0, "reject_draft_prob_threshold",  # NaN fails, as tokenspeed's >= check
