@@ -51,8 +51,54 @@ def test_all_accepted_draws_the_bonus_unless_the_last_candidate_ends_generation(
     q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     tokens, n = speculative_sampling(*inputs(p, q, [1, 2]))
     assert tokens.tolist() == [[1, 2, 0]] and int(n) == 2
-    tokens, n = speculative_sampling(*inputs(p, q, [1, 2]), True)  # transformers 4.x's is_done_candidate
+    tokens, n = speculative_sampling(*inputs(p, q, [1, 2]), is_done_candidate=True)  # transformers <= 5.17
     assert tokens.tolist() == [[1, 2]] and int(n) == 1
+
+
+def test_older_releases_is_done_candidate_is_read_by_keyword_or_as_a_bool_in_fifth_place():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    args = inputs(p, q, [1, 2])
+    # 4.56-5.13 pass it fifth by position (a bool tensor from the stopping criteria), 5.14-5.17 tests by keyword
+    for call in (lambda: speculative_sampling(*args, True), lambda: speculative_sampling(*args, torch.tensor([True])),
+                 lambda: speculative_sampling(*args, is_done_candidate=True, assistant_ensemble_weight=None)):
+        tokens, n = call()
+        assert tokens.tolist() == [[1, 2]] and int(n) == 1
+    assert speculative_sampling(*args, False)[0].tolist() == [[1, 2, 0]]
+
+
+@pytest.mark.skipif("is_done_candidate" in inspect.signature(ORIGINAL).parameters,
+                    reason="this transformers passes is_done_candidate fifth (before 5.18)")
+def test_the_newest_releases_positional_weight_is_the_ensemble_weight():
+    """transformers 5.18+ takes ``assistant_ensemble_weight`` fifth: a positional weight verifies with the ensemble
+    as transformers' own function does (read as ``is_done_candidate`` it would verify losslessly)."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(4, 6, generator=g), -1)
+    q = torch.softmax(torch.randn(3, 6, generator=g), -1)
+    args = inputs(p, q, [2, 0, 5])
+    assert list(inspect.signature(speculative_sampling).parameters)[:5] == list(inspect.signature(ORIGINAL).parameters)
+    for seed in range(20):
+        torch.manual_seed(seed)
+        ours = speculative_sampling(*args, 0.6)
+        torch.manual_seed(seed)
+        theirs = ORIGINAL(*args, 0.6)
+        assert ours[0].tolist() == theirs[0].tolist() and int(ours[1]) == int(theirs[1]), seed
+
+
+def test_an_ensemble_weight_of_one_verifies_as_none_and_weights_outside_zero_one_raise():
+    g = torch.Generator().manual_seed(8)
+    p = torch.softmax(torch.randn(3, 5, generator=g), -1)
+    q = torch.softmax(torch.randn(2, 5, generator=g), -1)
+    args = inputs(p, q, [4, 1])
+    for seed in range(10):
+        torch.manual_seed(seed)
+        plain = speculative_sampling(*args)
+        torch.manual_seed(seed)
+        one = speculative_sampling(*args, 1.0)
+        assert plain[0].tolist() == one[0].tolist()
+    for bad in (0.0, -0.5, 1.5, float("nan"), "0.5"):
+        with pytest.raises(ValueError, match="speculative_sampling: assistant_ensemble_weight: expected a weight"):
+            speculative_sampling(*args, bad)
 
 
 def emitted_counts(verify, p, q, drafts, trials):
@@ -143,6 +189,25 @@ def test_bad_arguments_raise_value_errors_naming_them():
 
 
 # ------------------------------------------------------------------------------------- patched generate
+
+
+def test_patched_takes_the_installed_releases_argument_order(monkeypatch):
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    args = inputs(p, q, [1, 2])
+    with patched("block"):
+        assert list(inspect.signature(hf_utils._speculative_sampling).parameters)[:5] == list(
+            inspect.signature(ORIGINAL).parameters)[:5]
+
+    def before_5_18(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate,
+                    assistant_ensemble_weight=None):
+        raise AssertionError("replaced")
+
+    monkeypatch.setattr(hf_utils, "_speculative_sampling", before_5_18)
+    with patched("block"):  # 5.14-5.17 call it with is_done_candidate fifth and the weight by keyword
+        tokens, n = hf_utils._speculative_sampling(*args, torch.tensor([True]), assistant_ensemble_weight=None)
+        assert tokens.tolist() == [[1, 2]] and int(n) == 1
+    assert hf_utils._speculative_sampling is before_5_18
 
 
 def test_patched_restores_transformers_on_exit_and_on_exceptions():

@@ -339,7 +339,8 @@ def test_greedy_equals_a_loop_over_sgl_kernels_kernel_on_random_trees(seed):
     links = [_random_tree_links(g, N) for _ in range(B)]
     next_token, next_sibling = torch.tensor([f for f, _ in links]), torch.tensor([s for _, s in links])
     candidates, target_predict = torch.randint(0, V, (B, N), generator=g), torch.randint(0, V, (B, N), generator=g)
-    index = torch.randperm(B * N, generator=g).view(B, N)
+    # each request's slots in its own row of the flat target (shuffled there): SGLang lays them out as b * N + i
+    index = torch.stack([torch.randperm(N, generator=g) + b * N for b in range(B)])
     flat = target_predict.reshape(-1)
     want_predicts, want_accept, want_nums = {}, [], []
     for b in range(B):  # the kernel: the first child (link order) carrying the target's token, at most S - 1 times
@@ -489,3 +490,72 @@ def test_the_triton_path_gives_the_outputs_of_the_pytorch_path(monkeypatch):
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
     for got, want in zip(_dispatch_outputs(), reference):
         assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- slots of other requests
+
+
+def _two_chains():
+    """Two requests, chains 0 -> 1 -> 2 of tokens (_, 1, 2); request b's slots b * 3 + i."""
+    first_child, next_sibling = _links([-1, 0, 1], 2)
+    candidates = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    return candidates, torch.arange(6).view(2, 3), first_child, next_sibling
+
+
+def test_greedy_never_reads_another_requests_target_row():
+    """A node whose retrive_index lies in another request's row of the flat target would verify against that
+    request's tokens (sgl_kernel reads it there): a KernelCheckError names it on the CPU; on a device each
+    request reads its own row."""
+    candidates, index, first_child, next_sibling = _two_chains()
+    target_predict = torch.tensor([[1, 2, 3], [9, 9, 9]])
+    index[0, 1] = 4  # request 0's node 1 at a slot of request 1's row
+    predicts, accept_index, accept_token_num = _outputs(2, 6, 3)
+    with pytest.raises(KernelCheckError, match=r"retrive_index: expected slots in \[0, 3\) \(request 0's\), got 4"):
+        sgl_kernel.verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, index, first_child,
+                                      next_sibling, target_predict)
+    assert (predicts == SENTINEL).all() and (accept_token_num == SENTINEL).all()  # checked before any write
+
+
+@pytest.mark.parametrize("fn", ["verify_tree_greedy", "tree_speculative_sampling_target_only"])
+def test_a_slot_shared_by_two_requests_or_outside_predicts_is_a_kernel_check_error(fn):
+    """Two requests writing one predicts slot would overwrite each other's output."""
+    candidates, index, first_child, next_sibling = _two_chains()
+    target = _one_hot([1, 2, 0], 4)[None].repeat(2, 1, 1)
+
+    def call(index):
+        predicts, accept_index, accept_token_num = _outputs(2, 6, 3)
+        if fn == "verify_tree_greedy":
+            sgl_kernel.verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, index, first_child,
+                                          next_sibling, torch.tensor([[1, 2, 0], [1, 2, 0]]))
+        else:
+            sgl_kernel.tree_speculative_sampling_target_only(
+                predicts, accept_index, accept_token_num, candidates, index, first_child, next_sibling,
+                torch.full((2, 3), 0.5), torch.full((2,), 0.5), target)
+        return predicts
+
+    assert call(index).tolist() == [1, 2, 0, 1, 2, 0]
+    if fn == "tree_speculative_sampling_target_only":  # verify_tree_greedy keeps each request in its own row
+        shared = index.clone()
+        shared[1, 2] = 2
+        with pytest.raises(KernelCheckError, match="retrive_index: expected each slot in one request only, got slot 2"):
+            call(shared)
+    outside = index.clone()
+    outside[1, 2] = 6
+    with pytest.raises(KernelCheckError, match=r"retrive_index: expected slots in \[.*\(request 1\)"):
+        call(outside)
+
+
+def test_without_the_value_checks_as_on_a_device_no_request_reads_or_writes_outside_its_own(monkeypatch):
+    import specsampler.compat.sglang as module
+
+    monkeypatch.setattr(module, "values_checkable", lambda t, full: False)
+    candidates, index, first_child, next_sibling = _two_chains()
+    index[0, 1], index[1, 2] = 4, 60  # request 0 pointed into request 1's row; request 1's last slot outside predicts
+    target_predict = torch.tensor([[1, 2, 3], [1, 9, 9]])
+    predicts, accept_index, accept_token_num = _outputs(2, 6, 3)
+    sgl_kernel.verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, index, first_child,
+                                  next_sibling, target_predict)
+    # request 0's node 1 reads and writes its own row's last slot (2: target 3), not request 1's slot 4 (target 9);
+    # request 1 stops at node 1 (9 is not its draft 2) and never reaches its slot outside predicts
+    assert predicts.tolist() == [1, SENTINEL, 3, 1, 9, SENTINEL]
+    assert accept_token_num.tolist() == [1, 1] and accept_index.tolist() == [[0, 2, SENTINEL], [3, 4, SENTINEL]]

@@ -202,8 +202,12 @@ def test_forward_samples_the_bonus_with_the_callers_sampler_and_parse_output_dro
 class LogprobSampler(ArgmaxSampler):
     """Also vLLM's logprob interface: the bonus rows' logits come back as ``logprobs_tensors.logprobs``."""
 
+    def __init__(self, logprobs_mode="raw_logprobs"):
+        self.logprobs_mode = logprobs_mode
+
     def __call__(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
-        assert logprobs_mode_override == "raw_logits"
+        processed = self.logprobs_mode.startswith("processed")
+        assert logprobs_mode_override == ("processed_logits" if processed else "raw_logits")
         out = super().__call__(logits, sampling_metadata, predict_bonus_token)
         return vllm.SamplerOutput(out.sampled_token_ids, logprobs_tensors=SimpleNamespace(logprobs=logits))
 
@@ -226,6 +230,60 @@ def test_forward_returns_the_logprob_of_each_output_slot():
     expected = logits.log_softmax(-1)[[0, 1, 2, 3], tokens.flatten()[[0, 1, 2, 3]].long()]
     got = out.logprobs_tensors.reshape(2, 3)
     assert torch.allclose(got[0], expected[:3]) and torch.allclose(got[1, 0], expected[3])
+
+
+def stale_tails(monkeypatch, stale):
+    """Make ``forward``'s verification leave ``stale`` (a draft id of an earlier step, not a placeholder) in
+    every slot past each request's tokens, as an engine's reused output buffer can."""
+    verify = vllm.rejection_sample
+
+    def with_stale_tails(draft_token_ids, num_draft_tokens, *args, **kwargs):
+        out = verify(draft_token_ids, num_draft_tokens, *args, **kwargs)
+        past = torch.arange(out.shape[1]) > torch.tensor(num_draft_tokens)[:, None]
+        return out.masked_fill(past, stale)
+
+    monkeypatch.setattr(vllm, "rejection_sample", with_stale_tails)
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+@pytest.mark.parametrize("drafts", [[[1, 2, 3], [], [4], [0, 1]], [[], [2, 2]], [[3], []], [[]]],
+                         ids=["ragged", "first-without-drafts", "last-without-drafts", "one-without-drafts"])
+def test_logprobs_of_each_request_come_from_its_own_rows_whatever_its_tail_holds(monkeypatch, logprobs_mode, drafts):
+    """Every slot of request b, its stale tail included, is a function of b's logits alone: changing every
+    other request's rows leaves b's logprobs bit for bit unchanged (clamping the tail's rows to the flat
+    layout reads the next request's rows and fails this)."""
+    stale_tails(monkeypatch, stale=4)
+    md = spec_metadata(drafts)
+    if len(drafts) == 1:
+        md.max_spec_len = 3  # a one-request batch with tail slots past its bonus row
+    width = md.max_spec_len + 1
+    sampler = vllm.RejectionSampler(LogprobSampler(logprobs_mode))
+    ends = np.cumsum([len(d) + 1 for d in drafts]).tolist()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(ends[-1], V, generator=g)
+    B = len(drafts)
+
+    def sm():  # sampled at temperature 0.5 (processed rows differ from raw ones), each request on its own seed
+        return metadata(temperature=torch.full((B,), 0.5), max_num_logprobs=0,
+                        generators={b: torch.Generator().manual_seed(b) for b in range(B)})
+
+    base = sampler(md, None, logits.clone(), sm())
+    assert (base.sampled_token_ids[:, 1:] == 4).any() or width == 1
+    for b, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        others = logits.clone()
+        others[:start] = torch.randn(start, V, generator=g)
+        others[end:] = torch.randn(len(others) - end, V, generator=g)
+        got = sampler(md, None, others, sm()).logprobs_tensors.view(B, width)
+        assert torch.equal(got[b], base.logprobs_tensors.view(B, width)[b]), (b, drafts)
+
+
+def test_logprobs_past_a_requests_tokens_are_those_of_a_row_of_zeros(monkeypatch):
+    stale_tails(monkeypatch, stale=2)
+    drafts = [[1], [3, 3]]
+    out = vllm.RejectionSampler(LogprobSampler())(spec_metadata(drafts), None, torch.randn(5, V),
+                                                   metadata(max_num_logprobs=0))
+    assert out.sampled_token_ids[0, 2] == 2  # request 0 has 2 slots (a draft, the bonus); its third is stale
+    assert out.logprobs_tensors.view(2, 3)[0, 2] == -torch.tensor(float(V)).log()  # token 0 under uniform zeros
 
 
 def test_forward_applies_top_k_per_request():
@@ -299,3 +357,181 @@ def test_bad_arguments_raise_value_errors_naming_them():
         kw.update(change)
         with pytest.raises(ValueError, match=f"rejection_sample: {name}"):
             vllm.rejection_sample(**kw)
+
+
+def test_a_flattened_layout_that_hands_a_request_other_requests_rows_is_a_value_error():
+    """``cu_num_draft_tokens`` that disagrees with ``num_draft_tokens`` (or does not end at T) would give a request
+    rows of its neighbours: every function that reads it says so, naming it and the request."""
+    x, logits = torch.tensor([1, 2, 3], dtype=torch.int32), torch.zeros(3, V)
+    sm = metadata(temperature=torch.ones(2))
+    with pytest.raises(ValueError, match=r"rejection_sample: cu_num_draft_tokens: .* \(request 0\)"):
+        vllm.rejection_sample(x, [2, 1], 2, torch.tensor([1, 3]), None, logits, torch.tensor([[0], [0]]), sm)
+    probs = torch.full((3, V), 1.0 / V)
+    with pytest.raises(ValueError, match=r"sample_recovered_tokens: cu_num_draft_tokens: .* \(request 1\)"):
+        vllm.sample_recovered_tokens(2, [2, 1], torch.tensor([2, 2]), x, None, probs, sm, "cpu")
+    with pytest.raises(ValueError, match="sample_recovered_tokens: num_draft_tokens"):
+        vllm.sample_recovered_tokens(2, [2, 2], torch.tensor([2, 4]), x, None, probs, sm, "cpu")
+    with pytest.raises(ValueError, match=r"apply_sampling_constraints: cu_num_draft_tokens: .* \(request 1\)"):
+        vllm.apply_sampling_constraints(logits.clone(), torch.tensor([2, 1]), sm)
+    with pytest.raises(ValueError, match="apply_sampling_constraints: cu_num_draft_tokens: expected a last value"):
+        vllm.apply_sampling_constraints(logits.clone(), torch.tensor([1, 2]), sm)
+
+
+def test_sampling_constraints_reach_each_draft_row_of_its_own_request_around_requests_without_drafts():
+    logits = torch.ones(3, V)
+    sm = metadata(temperature=torch.tensor([2.0, 100.0, 0.5, 10.0]))
+    out = vllm.apply_sampling_constraints(logits, torch.tensor([0, 2, 2, 3]), sm)  # drafts: 0, 2, 0, 1
+    assert torch.allclose(out[:, 0], torch.tensor([0.01, 0.01, 0.1]))
+
+
+# ------------------------------------------------------------------------------------- block verification helpers
+
+
+def block_inputs(counts, V=5, seed=0):
+    """Random drafts of ``counts`` per request in vLLM's flat layout, their draft and target rows."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(counts)
+    q = torch.softmax(2 * torch.randn(T, V, generator=g), -1)
+    p = torch.softmax(2 * torch.randn(T, V, generator=g), -1)
+    x = torch.multinomial(q, 1, generator=g)[:, 0] if T else torch.zeros(0, dtype=torch.int64)
+    cu = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+    return cu, x, q, p, g
+
+
+def block_verify(cu, x, q, p, bonus, recovered, u, is_greedy, K, out=None):
+    out = torch.full((len(cu), K + 1), -1, dtype=torch.int32) if out is None else out
+    vllm.rejection_random_sample_block_verify_pytorch(out, cu, x, q, p, bonus, recovered, u, is_greedy, K, p.shape[1])
+    return out
+
+
+def loop_block_verify(counts, x, q, p, bonus, recovered, u, K):
+    """Block verification per request, written from its definition (float64): a_{i+1} = min(1, a_i p/q) (0 for
+    q(x) = 0), h_i = S_i / (S_i + 1 - a_i) with S_i the mass of max(a_i p_i - q_i, 0) for 0 < i < n, h_n = a_n;
+    tau = the largest i with u_{i-1} <= h_i (h_i > 0); the accepted drafts, then the recovered token or the bonus."""
+    out = []
+    start = 0
+    for b, n in enumerate(counts):
+        a, h = [1.0], [1.0]
+        for i in range(n):
+            px, qx = float(p[start + i, x[start + i]]), float(q[start + i, x[start + i]])
+            a.append(min(1.0, a[i] * px / qx) if qx > 0 else 0.0)
+        for i in range(1, n):
+            s = float((a[i] * p[start + i].double() - q[start + i].double()).clamp(min=0).sum())
+            h.append(s / (s + 1 - a[i]) if s + 1 - a[i] > 0 else 0.0)
+        h.append(a[n]) if n else None
+        tau = max(i for i in range(n + 1) if i == 0 or 0 < h[i] >= float(u[start + i - 1]))
+        row = [int(t) for t in x[start:start + tau]] + [int(recovered[start + tau]) if tau < n else int(bonus[b])]
+        out.append(row + [-1] * (K + 1 - len(row)))
+        start += n
+    return out
+
+
+def test_block_verification_keeps_the_drafts_its_definition_keeps_in_ragged_batches():
+    counts = [3, 0, 1, 4, 2]
+    cu, x, q, p, g = block_inputs(counts)
+    T, K = len(x), max(counts)
+    bonus, recovered = torch.randint(5, (5, 1), generator=g), torch.randint(5, (T,), generator=g)
+    for trial in range(20):
+        u = torch.rand(T, generator=g, dtype=torch.float64)
+        got = block_verify(cu, x, q, p, bonus, recovered, u, torch.zeros(5, dtype=torch.bool), K)
+        assert got.tolist() == loop_block_verify(counts, x, q, p, bonus[:, 0], recovered, u, K), trial
+
+
+def test_block_verification_accepts_at_a_uniform_equal_to_its_threshold_and_rejects_a_draft_of_probability_0():
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])
+    p = torch.tensor([[0.25, 0.75, 0.0], [1.0, 0.0, 0.0]])
+    x, cu = torch.tensor([0, 0]), torch.tensor([1, 2])
+    bonus, recovered = torch.tensor([[7], [8]]), torch.tensor([5, 6])
+    out = block_verify(cu, x, q, p, bonus, recovered, torch.tensor([0.5, 0.0]), None, 1)
+    # request 0: h_1 = a_1 = 0.25 / 0.5 = 0.5 and u = 0.5: vLLM's `u <= h` accepts; request 1: q(x) = 0, so
+    # a_1 = h_1 = 0: rejected even at u = 0 (where vLLM accepts it)
+    assert out.tolist() == [[0, 7], [6, -1]]
+
+
+def test_block_verification_writes_only_sampled_requests_that_own_rows():
+    counts = [2, 1]
+    cu, x, q, p, g = block_inputs(counts)
+    bonus, recovered, u = torch.tensor([[7], [8], [9]]), torch.tensor([1, 2, 3]), torch.zeros(3)
+    out = torch.full((3, 3), -5, dtype=torch.int32)
+    # request 1 is greedy (the greedy kernel's); request 2's cu (2) lies below request 0's (2 rows then 3): no rows
+    block_verify(torch.tensor([2, 3, 2]), x, q, p, bonus, recovered, u, torch.tensor([False, True, False]), 2, out)
+    assert out[1].tolist() == [-5, -5, -5] and out[2].tolist() == [-5, -5, -5]
+    assert out[0, 0] == x[0] or out[0, 0] == recovered[0]
+
+
+@pytest.mark.parametrize("helper", ["acceptance", "recovered"])
+def test_block_helpers_compute_each_request_from_its_own_rows(helper):
+    """Changing every other request's rows (drafts, probabilities, uniforms, recovered ids) leaves a request's
+    outputs unchanged, around requests without drafts."""
+    counts = [2, 0, 3, 1]
+    cu, x, q, p, g = block_inputs(counts, seed=4)
+    T, K, B = len(x), max(counts), len(counts)
+    bonus, recovered = torch.randint(5, (B, 1), generator=g), torch.randint(5, (T,), generator=g)
+    u, e = torch.rand(T, generator=g, dtype=torch.float64), torch.empty(B, 5).exponential_(generator=g)
+
+    def run(x, q, p, recovered, u):
+        if helper == "acceptance":
+            return block_verify(cu, x, q, p, bonus, recovered, u, None, K)
+        out = torch.full((T,), -1, dtype=torch.int32)
+        vllm.sample_recovered_tokens_blockwise_pytorch(out, cu, x, q, p, e, 5)
+        return out
+
+    base = run(x, q, p, recovered, u)
+    starts = [0, *np.cumsum(counts)[:-1].tolist()]
+    for b, (s, n) in enumerate(zip(starts, counts)):
+        other = torch.ones(T, dtype=torch.bool)
+        other[s:s + n] = False
+        _, x2, q2, p2, g2 = block_inputs(counts, seed=10 + b)
+        mixed = [torch.where(other if t.dim() == 1 else other[:, None], t2, t) for t, t2 in
+                 ((x, x2), (q, q2), (p, p2), (recovered, torch.randint(5, (T,), generator=g2)),
+                  (u, torch.rand(T, generator=g2, dtype=torch.float64)))]
+        again = run(*mixed)
+        if helper == "acceptance":
+            assert torch.equal(again[b], base[b]), b
+        else:
+            assert torch.equal(again[s:s + n], base[s:s + n]), b
+
+
+def test_blockwise_recovered_tokens_are_the_argmax_of_the_scaled_residual_over_the_exponentials():
+    counts = [3, 2]
+    cu, x, q, p, g = block_inputs(counts, seed=2)
+    e = torch.empty(2, 5).exponential_(generator=g)
+    out = torch.full((5,), -1, dtype=torch.int32)
+    vllm.sample_recovered_tokens_blockwise_pytorch(out, cu, x, q, p, e, 5)
+    expected, start = [], 0
+    for b, n in enumerate(counts):
+        a = 1.0
+        for i in range(n):
+            r = start + i
+            expected.append(int(((a * p[r] - q[r]).clamp(min=0) / e[b]).argmax()))
+            a = min(1.0, a * float(p[r, x[r]]) / float(q[r, x[r]]))
+        start += n
+    assert out.tolist() == expected
+
+
+@pytest.mark.montecarlo
+def test_block_helpers_emit_what_block_verification_emits():
+    """The two helpers together (vLLM's uniforms and exponentials) emit each sequence with the probability
+    the oracle gives block verification of the same drafts."""
+    trials, K, V = mc_trials(200_000, 20_000), 3, 4
+    g = torch.Generator().manual_seed(9)
+    p = torch.softmax(2 * torch.randn(K + 1, V, generator=g, dtype=torch.float64), -1).float()
+    q = torch.softmax(2 * torch.randn(K, V, generator=g, dtype=torch.float64), -1).float()
+    drafts = (1, 3, 0)
+    exact = {}
+    for seq, prob, _ in oracle.chain_given_drafts("block", drafts, list(p.double().numpy()), list(q.double().numpy())):
+        exact[seq] = exact.get(seq, 0.0) + prob
+    x = torch.tensor(drafts).repeat(trials)
+    qs, ps = q.repeat(trials, 1), p[:K].repeat(trials, 1)
+    cu = torch.arange(1, trials + 1) * K
+    recovered = torch.empty(trials * K, dtype=torch.int64)
+    vllm.sample_recovered_tokens_blockwise_pytorch(recovered, cu, x, qs, ps, torch.empty(trials, V).exponential_(), V)
+    bonus = torch.multinomial(p[K].double(), trials, replacement=True)[:, None]
+    out = block_verify(cu, x, qs, ps, bonus, recovered, torch.rand(trials * K, dtype=torch.float64), None, K)
+    counts = {}
+    for row in out.tolist():
+        seq = tuple(t for t in row if t != -1)
+        counts[seq] = counts.get(seq, 0) + 1
+    keys = sorted(set(exact) | set(counts))
+    assert_counts_match(np.array([counts.get(k, 0) for k in keys]), np.array([exact.get(k, 0.0) for k in keys]),
+                        label="block helpers")

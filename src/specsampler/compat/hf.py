@@ -11,6 +11,7 @@ transformers: docs/design.md, "Drop-in compatibility per peer", ``compat.hf``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,12 +31,17 @@ def speculative_sampling(
     candidate_logits: Tensor,
     candidate_length: int,
     new_logits: Tensor,
-    is_done_candidate: bool = False,
     assistant_ensemble_weight: float | None = None,
+    *,
+    is_done_candidate: bool | Tensor = False,
 ) -> tuple[Tensor, Tensor]:
     """Verify the assistant's candidates against the target (Leviathan et al., algorithm 1).
 
-    Maps onto :func:`specsampler.verify_chain` with ``method="token"``: lossless.
+    Maps onto :func:`specsampler.verify_chain` with ``method="token"``: lossless. The signature is that of
+    transformers 5.18 to 5.24 (the newest): ``assistant_ensemble_weight`` fifth. The older releases' calls work
+    too: 4.56 to 5.13 passed ``is_done_candidate`` fifth and 5.14 to 5.17 took it before the weight, so
+    ``is_done_candidate`` is accepted by keyword, and a bool (or bool tensor) in fifth place is read as it (no
+    weight is a bool).
 
     Args:
         candidate_input_ids: int64 ``[1, L + candidate_length]``: the sequence with the candidates last.
@@ -43,19 +49,33 @@ def speculative_sampling(
             softmax each candidate was drawn from.
         candidate_length: the number of candidates, ``K``.
         new_logits: float ``[1, K + 1, V]``: the target's processed logits after each prefix.
-        is_done_candidate: (transformers 4.x) the last candidate ends generation: when all are
+        assistant_ensemble_weight: transformers' static ensemble verification (DIVERSED, from 5.14): with a
+            weight ``w`` in (0, 1) the candidates are verified against ``w * p + (1 - w) * q`` — LOSSY, the
+            output no longer follows the target. Reproduced as transformers defines it (``torch.rand_like``
+            uniforms, ``u <= 1 - w + w p / q``, the residual ``max(p - q, 0)`` (``p`` where it has no mass)
+            drawn by ``torch.multinomial``). None or 1: lossless (``w = 1`` verifies against ``p`` itself).
+            Other values raise a ValueError (transformers' ``GenerationConfig`` allows (0, 1)).
+        is_done_candidate: (transformers up to 5.17) the last candidate ends generation: when all are
             accepted, no bonus token is drawn and the last candidate is not counted as a match.
-        assistant_ensemble_weight: transformers' static ensemble verification (DIVERSED): with a
-            weight ``w < 1`` the candidates are verified against ``w * p + (1 - w) * q`` — LOSSY,
-            the output no longer follows the target. Reproduced as transformers defines it
-            (``torch.rand_like`` uniforms, ``u <= ratio``, residual ``max(p - q, 0)`` drawn by
-            ``torch.multinomial``). None or ``>= 1``: lossless.
     Returns:
         ``(valid_tokens, n_matches)``: int64 ``[1, n_matches + 1]`` (the accepted candidates, then the
         correction or bonus token) and a 0-dim int64 tensor, the accepted count.
     """
-    return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate,
-                   assistant_ensemble_weight, "token")
+    weight, done = _weight_and_done(assistant_ensemble_weight, is_done_candidate)
+    return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, done, weight, "token")
+
+
+def _weight_and_done(fifth: object, is_done_candidate: bool | Tensor) -> tuple[float | None, bool | Tensor]:
+    """The ensemble weight and ``is_done_candidate`` of a call: a bool (or bool tensor) in fifth place is an
+    older release's positional ``is_done_candidate``."""
+    if isinstance(fifth, bool) or (isinstance(fifth, Tensor) and fifth.dtype == torch.bool):
+        return None, fifth
+    if fifth is None:
+        return None, is_done_candidate
+    w = float(fifth) if isinstance(fifth, (int, float, Tensor)) else float("nan")
+    if not 0.0 < w <= 1.0:
+        fail("speculative_sampling", "assistant_ensemble_weight", "a weight in (0, 1] or None", fifth)
+    return (None if w == 1.0 else w), is_done_candidate
 
 
 def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_length: int, new_logits: Tensor,
@@ -74,11 +94,11 @@ def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_len
     drafts = candidate_input_ids[:, candidate_input_ids.shape[1] - K:]
     q = candidate_logits[:, :K].softmax(-1)
     p = new_logits[:, :K + 1].softmax(-1)
-    if weight is not None and weight < 1.0:
+    if weight is not None:
         if method != "token":
-            fail(op, "assistant_ensemble_weight", f"None or >= 1 with method {method!r} (the ensemble is "
+            fail(op, "assistant_ensemble_weight", f"None or 1 with method {method!r} (the ensemble is "
                  "defined for token verification)", weight)
-        return _ensemble(drafts, q, p, is_done_candidate, float(weight))
+        return _ensemble(drafts, q, p, is_done_candidate, weight)
     res = verify_chain(p, drafts, q, method=method, rng=_transformers_uniforms(p, K))
     n = res.num_accepted[0]
     if is_done_candidate and int(n) == K:
@@ -135,12 +155,19 @@ def patched(method: str = "token") -> Iterator[None]:
 
     original = utils._speculative_sampling
 
-    def verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate=False,
-               assistant_ensemble_weight=None):
-        return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate,
-                       assistant_ensemble_weight, method)
+    def verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, assistant_ensemble_weight=None,
+               *, is_done_candidate=False):
+        weight, done = _weight_and_done(assistant_ensemble_weight, is_done_candidate)
+        return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, done, weight, method)
 
-    utils._speculative_sampling = verify
+    def verify_before_5_18(candidate_input_ids, candidate_logits, candidate_length, new_logits,
+                           is_done_candidate=False, assistant_ensemble_weight=None):
+        return verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, assistant_ensemble_weight,
+                      is_done_candidate=is_done_candidate)
+
+    # the installed release's order: up to 5.17 transformers passes is_done_candidate fifth, by position
+    before_5_18 = "is_done_candidate" in inspect.signature(original).parameters
+    utils._speculative_sampling = verify_before_5_18 if before_5_18 else verify
     try:
         yield
     finally:

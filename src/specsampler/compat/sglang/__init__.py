@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ... import TokenTree, verify_tree
-from ...validation import ValidationError
+from ...validation import ValidationError, first_request, values_checkable
 from .sampling import (
     draw_with_coins,
     min_p_sampling_from_probs,
@@ -109,6 +109,34 @@ def _tree(op: str, next_token: Tensor, next_sibling: Tensor) -> TokenTree:
         raise KernelCheckError(f"{op}: retrive_next_token / retrive_next_sibling: not a tree: {e}") from e
 
 
+def _check_slots(op: str, index: Tensor, tree: TokenTree, size: int, row: int | None = None) -> None:
+    """``retrive_index``'s slots of the present nodes, checked on CPU tensors: inside ``[0, size)``, none shared by
+    two requests (one request's write would land in another's output) and, with ``row``, request b's inside its
+    own row ``[b * row, (b + 1) * row)`` of a ``[B, row]`` tensor read there. Unchecked (device tensors), writes
+    drop slots outside ``predicts`` and ``verify_tree_greedy`` keeps each request in its row; slots that two
+    requests of ``tree_speculative_sampling_target_only`` share are then not detected (sgl_kernel's behaviour)."""
+    if not values_checkable(index, False):
+        return
+    B, N = index.shape
+    slots, present = index.long(), tree.depth >= 0
+    lo, hi = torch.zeros_like(slots), torch.full_like(slots, size)
+    if row is not None:
+        lo, hi = torch.arange(B)[:, None] * row + lo, torch.arange(1, B + 1)[:, None] * row + lo
+    bad = present & ((slots < lo) | (slots >= hi))
+    b = first_request(bad)
+    if b is not None:
+        where = f"[{int(lo[b, 0])}, {int(hi[b, 0])})"
+        check(op, False, "retrive_index", f"slots in {where} (request {b}'s)", f"{int(slots[bad][0])} (request {b})")
+    owner = torch.arange(B)[:, None].expand(B, N)[present]
+    order = slots[present].argsort(stable=True)
+    taken, owner = slots[present][order], owner[order]
+    shared = (taken[1:] == taken[:-1]) & (owner[1:] != owner[:-1])
+    if bool(shared.any()):
+        i = int(shared.nonzero()[0, 0])
+        check(op, False, "retrive_index", "each slot in one request only",
+              f"slot {int(taken[i])} in requests {int(owner[i])} and {int(owner[i + 1])}")
+
+
 def _write_walk(predicts: Tensor, accept_index: Tensor, accept_token_num: Tensor, index: Tensor, path: Tensor,
                 n: Tensor, values: Tensor) -> None:
     """sgl_kernel's outputs of a walk, written in place at the slots it writes and nowhere else.
@@ -121,7 +149,8 @@ def _write_walk(predicts: Tensor, accept_index: Tensor, accept_token_num: Tensor
     within = torch.arange(L, device=path.device) <= n[:, None]
     slots = index.long().gather(1, path.clamp(min=0))
     accept_index[:, :L] = torch.where(within, slots.to(accept_index.dtype), accept_index[:, :L])
-    predicts.index_put_((slots[within],), values[within].to(predicts.dtype))
+    writes = within & (slots >= 0) & (slots < predicts.numel())  # a slot outside predicts is not written
+    predicts.index_put_((slots[writes],), values[writes].to(predicts.dtype))
     accept_token_num.copy_(n.to(accept_token_num.dtype))
 
 
@@ -246,6 +275,7 @@ def tree_speculative_sampling_target_only(
     if B == 0:
         return
     tree = _tree(op, next_token, next_sibling)
+    _check_slots(op, index, tree, predicts.numel())
     x = candidates.long()
     in_vocab = (x >= 0) & (x < V)
     x = x.clamp(0, V - 1)
@@ -340,7 +370,12 @@ def verify_tree_greedy(
     if B == 0:
         return
     tree = _tree(op, next_token, next_sibling)
-    predicted = target_predict.reshape(-1)[index]  # sgl_kernel reads the target at the node's retrive_index
+    _check_slots(op, index, tree, predicts.numel(), row=N)
+    # sgl_kernel reads the target at the node's retrive_index of the flat [B * N] tensor, in request b's row
+    # (kept there where the values go unchecked, for the writes too)
+    row_start = torch.arange(B, device=index.device)[:, None] * N
+    own = (index.long() - row_start).clamp(0, N - 1)
+    predicted, index = target_predict.gather(1, own), row_start + own
     local = local_ids(torch.cat([candidates, predicted], 1))
     sentinel = 2 * N  # a row at it matches no child: the walk stops (after S - 1 acceptances)
     row_token = torch.where(tree.depth < S - 1, local[:, N:], sentinel)

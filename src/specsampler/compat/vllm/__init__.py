@@ -22,8 +22,15 @@ import torch.nn as nn
 from torch import Tensor
 
 from specsampler import Philox, SamplingParams, logits_to_probs, verify_chain_from_logits
-from specsampler.validation import check_shape, check_tensor, fail
+from specsampler.validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
 
+from .block import _BLOCK_VERIFY_VOCAB_BLOCK as _BLOCK_VERIFY_VOCAB_BLOCK
+from .block import (
+    rejection_random_sample_block_verify_kernel,
+    rejection_random_sample_block_verify_pytorch,
+    sample_recovered_tokens_block_verify_kernel,
+    sample_recovered_tokens_blockwise_pytorch,
+)
 from .metadata import LogitsProcessors, SamplerOutput, SamplingMetadata, SpecDecodeMetadata
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -42,8 +49,12 @@ __all__ = [
     "SpecDecodeMetadata",
     "apply_sampling_constraints",
     "generate_uniform_probs",
+    "rejection_random_sample_block_verify_kernel",
+    "rejection_random_sample_block_verify_pytorch",
     "rejection_sample",
     "sample_recovered_tokens",
+    "sample_recovered_tokens_block_verify_kernel",
+    "sample_recovered_tokens_blockwise_pytorch",
     "unconditional_to_conditional_rates",
 ]
 
@@ -153,19 +164,42 @@ class RejectionSampler(nn.Module):
 
     def _get_logprobs_tensors(self, max_num_logprobs: int, metadata: Any, logits: Tensor, target_logits: Tensor,
                               bonus_logits: Tensor, sampled_token_ids: Tensor) -> Any:
-        """Logprobs of every output slot (rejected slots read token 0; ``parse_output`` drops them)."""
-        starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
-        starts[1:] = metadata.cu_num_sampled_tokens[:-1]
-        final_logits = torch.zeros_like(logits, dtype=torch.float32)
-        final_logits[metadata.target_logits_indices] = target_logits.to(torch.float32)
-        final_logits[metadata.bonus_logits_indices] = bonus_logits.to(torch.float32)
-        offsets = torch.arange(sampled_token_ids.shape[-1], device=starts.device, dtype=starts.dtype)
-        rows = (starts[:, None] + offsets[None, :]).flatten().clamp_(max=final_logits.shape[0] - 1)
-        tokens = sampled_token_ids.flatten().clone()
-        tokens[tokens == PLACEHOLDER_TOKEN_ID] = 0
-        accepted_logits = final_logits[rows]
-        logprobs = accepted_logits if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(accepted_logits)
-        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens.to(torch.int64))
+        """Logprobs of every output slot, each from its own request's rows (``parse_output`` drops placeholders).
+
+        Slot ``[b, j]`` reads request b's draft row j for ``j < n_b``, its bonus row for ``j == n_b`` and,
+        past them, a row of zeros that belongs to no request, whatever token id the slot holds (a stale
+        draft id left in an engine's buffer included); placeholders and ids outside ``[0, V)`` gather
+        token 0. vLLM maps slot j to flat row ``cu_num_sampled_tokens[b - 1] + j`` clamped to the last
+        row, so a tail slot there reads the next request's rows.
+
+        Args:
+            metadata: ``num_draft_tokens`` (B ints) is read.
+            logits: float ``[T + B, V]``: only its vocabulary size is read.
+            target_logits: float ``[T, V]``: the draft rows (raw or processed, per ``logprobs_mode``).
+            bonus_logits: float ``[B, V]``: the bonus rows.
+            sampled_token_ids: integer ``[B, max_spec_len + 1]`` from :func:`rejection_sample`.
+        Returns:
+            what ``sampler.gather_logprobs`` returns for ``B * (max_spec_len + 1)`` rows, slot-major.
+        """
+        op = "RejectionSampler"
+        B, width = sampled_token_ids.shape
+        V = logits.shape[-1]
+        counts = list(metadata.num_draft_tokens)
+        if len(counts) != B or any(n < 0 or n >= width for n in counts) or sum(counts) != target_logits.shape[0]:
+            fail(op, "metadata.num_draft_tokens", f"B = {B} counts in [0, {width - 1}] summing to the "
+                 f"{target_logits.shape[0]} draft rows", counts)
+        if tuple(bonus_logits.shape) != (B, V):
+            fail(op, "bonus logits", f"shape [B, V] = [{B}, {V}]", list(bonus_logits.shape))
+        dev = target_logits.device
+        chain = _Chain.of(counts, width - 1, dev)
+        rows = torch.cat([chain.pad(target_logits.float(), 0.0), target_logits.new_zeros(B, 1, V).float()], 1)
+        rows[torch.arange(B, device=dev), chain.counts] = bonus_logits.to(device=dev, dtype=torch.float32)
+        tokens = sampled_token_ids.to(dev).long()
+        own = torch.arange(width, device=dev) <= chain.counts[:, None]
+        tokens = torch.where(own & (tokens >= 0) & (tokens < V), tokens, 0).flatten()
+        rows = rows.flatten(0, 1)
+        logprobs = rows if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(rows)
+        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)
 
     @staticmethod
     def parse_output(output_token_ids: Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
@@ -286,6 +320,22 @@ def _apply_bad_words_with_drafts(logits: Tensor, bad_words_token_ids: dict[int, 
 # ----------------------------------------------------------------------------- functions
 
 
+def _check_cu(op: str, cu_num_draft_tokens: Tensor, num_draft_tokens: list[int]) -> None:
+    """``cu_num_draft_tokens`` (integer ``[B]``) is the inclusive cumulative sum of ``num_draft_tokens``.
+
+    Request b owns draft rows ``[cu[b - 1], cu[b])``: a wrong sum hands a request another request's rows.
+    The values are compared on the CPU (free there); on a device the functions read the list alone.
+    """
+    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
+    B = len(num_draft_tokens)
+    check_shape(op, "cu_num_draft_tokens", cu_num_draft_tokens, (B,), "[B] (len(num_draft_tokens))")
+    if values_checkable(cu_num_draft_tokens, False):
+        expected = torch.tensor(num_draft_tokens, dtype=torch.int64).cumsum(0)
+        check_no_bad(op, "cu_num_draft_tokens", cu_num_draft_tokens.long() != expected, cu_num_draft_tokens,
+                     f"the cumulative sums of num_draft_tokens {expected.tolist()}")
+
+
+
 def apply_sampling_constraints(logits: Tensor, cu_num_draft_tokens: Tensor, sampling_metadata: Any) -> Tensor:
     """Temperature, then top-k, then top-p per request, on the draft rows' logits (in place).
 
@@ -301,8 +351,19 @@ def apply_sampling_constraints(logits: Tensor, cu_num_draft_tokens: Tensor, samp
     """
     if sampling_metadata.all_greedy:
         return logits
-    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
-    expand = lambda x: torch.repeat_interleave(x, counts.to(x.device), output_size=logits.shape[0])
+    op = "apply_sampling_constraints"
+    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
+    T, cu = logits.shape[0], cu_num_draft_tokens.long()
+    if values_checkable(cu, False):
+        counts = torch.diff(cu, prepend=cu.new_zeros(1))
+        check_no_bad(op, "cu_num_draft_tokens", counts < 0, cu, "non-decreasing values from 0 (cumulative counts)")
+        last = int(cu[-1]) if cu.numel() else 0
+        if last != T:
+            fail(op, "cu_num_draft_tokens", f"a last value of T = {T} (rows of logits)", last)
+    # row t belongs to the first request whose range ends after t (a clamp keeps bad ranges on a device in range)
+    request = torch.searchsorted(cu.to(logits.device), torch.arange(T, device=logits.device), right=True)
+    request = request.clamp_(max=max(cu.numel() - 1, 0))
+    expand = lambda x: x.to(logits.device)[request]
     temperature = expand(sampling_metadata.temperature)
     temperature = torch.where(temperature == GREEDY_TEMPERATURE, 1.0, temperature)
     logits.div_(temperature.unsqueeze(-1).to(logits.dtype))
@@ -353,7 +414,12 @@ def sample_recovered_tokens(max_spec_len: int, num_draft_tokens: list[int], cu_n
     Returns:
         ``draft_token_ids``'s shape and dtype, ids in ``[0, V)``.
     """
+    op = "sample_recovered_tokens"
     B, V = len(num_draft_tokens), target_probs.shape[-1]
+    T = draft_token_ids.shape[0]
+    if any(n < 0 for n in num_draft_tokens) or sum(num_draft_tokens) != T:
+        fail(op, "num_draft_tokens", f"B counts >= 0 summing to T = {T} (rows of draft_token_ids)", num_draft_tokens)
+    _check_cu(op, cu_num_draft_tokens, num_draft_tokens)
     e = torch.empty((B, V), dtype=torch.float64 if use_fp64_gumbel else torch.float32, device=device)
     e.exponential_()
     for i, generator in sampling_metadata.generators.items():
@@ -415,8 +481,6 @@ def rejection_sample(
     check_tensor(op, "target_logits", target_logits, kind="float", ndim=2)
     T, V = target_logits.shape
     check_shape(op, "draft_token_ids", draft_token_ids, (T,), "[T] (rows of target_logits)")
-    check_tensor(op, "cu_num_draft_tokens", cu_num_draft_tokens, kind="int", ndim=1)
-    check_shape(op, "cu_num_draft_tokens", cu_num_draft_tokens, (B,), "[B] (len(num_draft_tokens))")
     if draft_probs is not None:
         check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=2)
         check_shape(op, "draft_probs", draft_probs, (T, V), "[T, V]")
@@ -425,6 +489,7 @@ def rejection_sample(
         fail(op, "bonus_token_ids", f"B = {B} tokens ([B, 1])", list(bonus_token_ids.shape))
     if sum(num_draft_tokens) != T or any(n < 0 or n > K for n in num_draft_tokens):
         fail(op, "num_draft_tokens", f"B counts in [0, max_spec_len = {K}] summing to T = {T}", num_draft_tokens)
+    _check_cu(op, cu_num_draft_tokens, num_draft_tokens)
     if verify_method not in ("standard", "block"):
         fail(op, "verify_method", "'standard' or 'block'", repr(verify_method))
     dev = target_logits.device
