@@ -26,7 +26,7 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _weights, prefix_keep
+from .filters import _FAR, _weights
 from .masses import divide_by_, masses, top_p_target
 from .processing import Processed, in_vector_body, process, sample_by_inversion
 
@@ -275,19 +275,22 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     """``process(x, rp, logits=True)`` for top-p rows over a short vocabulary, in a third of its ops.
 
     x: float32 ``[R, V]``; constants: :func:`_small_constants`. The same arithmetic as
-    :func:`process` takes for such rows (the whole row ordered by a stable sort, ``exp2`` of
-    ``x * c - top * c``, the top-p cut and the normalisation on exact masses), so the same numbers;
+    :func:`process` takes for such rows (``exp2`` of ``x * c - top * c``, the top-p cut in the
+    (weight desc, id asc) order and the normalisation on exact masses), so the same numbers;
     returned dense, which samples and reads as the candidates in id order do. None where a row's largest
     logit is not finite or ``|top * c| >= 2**24`` (use :func:`process`).
     """
     c, top_p, zero = constants
-    vals, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    top = vals[:, :1]
+    top = x.amax(-1, keepdim=True)
     if not all(map(math.isfinite, top.view(-1).tolist())) or bool(((top * c).abs() >= _FAR).any()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
-    w = torch.mul(vals, c).sub_(top * c).exp2_().clamp_(max=1.0)  # bit for bit process()'s arithmetic
+    # bit for bit process()'s weights (elementwise, every value in the vectorised body: V is a multiple of 64),
+    # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
+    w = torch.mul(x, c).sub_(top * c).exp2_().clamp_(max=1.0)
+    w, order = torch.sort(w, dim=-1, descending=True, stable=True)
     m = masses(w)
-    keep = prefix_keep(w, order, top_p_target(top_p[:, 0], m.sum(-1)), m)
+    cum = m.cumsum(-1)
+    keep = (cum - m) < top_p_target(top_p[:, 0], cum[:, -1])[:, None]
     # process()'s normalisation: the kept weights over their exact mass
     kept = divide_by_(torch.where(keep, w, zero), torch.where(keep, m, 0.0).sum(-1, keepdim=True))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
