@@ -718,3 +718,24 @@ def test_inputs_that_require_grad_are_taken():  # sampling and verification are 
                                    method="traversal", rng=ss.Philox(1)).path,
     ]
     assert not any(t.requires_grad for t in outs)
+
+
+def test_dense_rows_sampled_in_blocks_draw_what_one_call_per_row_draws(monkeypatch):
+    # rows without top-k or top-p are sampled a few at a time on CPU (their temporaries in cache): the tokens,
+    # log-probabilities and top log-probabilities are those of each row alone
+    import specsampler.sampling.ops as sampling_ops
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 3000, generator=g) * 2
+    params = SP(temperature=0.7, min_p=0.01)
+    rng = ss.Philox(torch.arange(7) + 11)
+    monkeypatch.setattr(sampling_ops, "_BLOCK_VALUES", 2 * 3000)  # blocks of two rows, the last alone
+    blocked = ss.sample_from_logits(logits, params, rng, num_logprobs=3)
+    monkeypatch.setattr(sampling_ops, "_BLOCK_VALUES", 1 << 30)
+    whole = ss.sample_from_logits(logits, params, rng, num_logprobs=3)
+    for a, b in zip(blocked, whole):
+        assert torch.equal(a, b)
+    for r in range(7):
+        one = ss.sample_from_logits(logits[r:r + 1], params, ss.Philox(torch.tensor([r + 11])), num_logprobs=3)
+        assert one.tokens.item() == blocked.tokens[r].item()
+        assert torch.equal(one.top_logprobs[0], blocked.top_logprobs[r])

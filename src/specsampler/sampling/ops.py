@@ -242,15 +242,35 @@ def sample_from_logits(
                                                   rp.min_p, mask, seed, offset, index, u)
         return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
     x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
-    proc = process(x, rp, logits=True, min_candidates=num_logprobs)
     u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
-    tokens = proc.sample(u)
-    logprobs = in_vector_body(torch.log, proc.prob(tokens)).reshape(lead)
-    top_ids = top_lp = None
+    R, V = x.shape
+    shared = rp.shared
+    dense = shared is not None and shared.temperature > 0 and not 0 < shared.top_k < V and shared.top_p >= 1
+    # rows kept whole (no top-k, no top-p) pass over every value several times: in blocks, from the caches
+    step = max(1, _BLOCK_VALUES // max(V, 1)) if dense and x.device.type == "cpu" else max(R, 1)
+    if step >= R:
+        blocks = [_sample_rows(x, rp, u, num_logprobs)]
+    else:
+        blocks = [_sample_rows(x[s:s + step], rp.take(torch.arange(s, min(R, s + step), device=x.device)),
+                               u[s:s + step], num_logprobs) for s in range(0, R, step)]
+    tokens, logprobs, top_ids, top_lp = (torch.cat(parts) if parts[0] is not None else None
+                                         for parts in zip(*blocks))
     if num_logprobs:
-        top_ids, top_lp = proc.top(num_logprobs)
         top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
-    return SampleOutput(tokens.reshape(lead), logprobs, top_ids, top_lp)
+    return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), top_ids, top_lp)
+
+
+_BLOCK_VALUES = 1 << 20  # values per block of dense rows sampled at a time on CPU: 4 MB of float32, in cache
+
+
+def _sample_rows(x: Tensor, rp: RowParams, u: Tensor, num_logprobs: int) -> tuple[Tensor, ...]:
+    """Tokens int64 ``[r]``, their log-probabilities and the top ``num_logprobs`` ids and log-probabilities (or
+    None) of rows ``x`` float32 ``[r, V]``. Each row's numbers are its own whatever the rows beside it, so
+    :func:`sample_from_logits` takes a batch in blocks whose temporaries stay in the CPU's caches."""
+    proc = process(x, rp, logits=True, min_candidates=num_logprobs)
+    tokens = proc.sample(u)
+    logprobs = in_vector_body(torch.log, proc.prob(tokens))
+    return (tokens, logprobs, *(proc.top(num_logprobs) if num_logprobs else (None, None)))
 
 
 # ------------------------------------------------------------------- small rows, for callers that built the inputs
