@@ -63,6 +63,8 @@ def test_mass_bounds_contain_the_exact_mass(C):
     lo, hi = mass_interval(w)
     assert bool((lo <= exact).all() and (exact <= hi).all())
     assert bool(((hi - lo) <= 2e-6 * exact + 2 * C + 2).all())  # tight: gamma(15) and one unit per value
+    lo, hi = mass_interval(w, 256)  # the coarse read
+    assert bool((lo <= exact).all() and (exact <= hi).all())
     chunk_lo, chunk_hi, m = chunk_mass_bounds(w)
     assert torch.equal(m.double(), masses(w))
     chunks = torch.nn.functional.pad(masses(w), (0, -C % 256)).view(w.shape[0], -1, 256).sum(-1)

@@ -73,7 +73,8 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     w_max = w.gather(1, best[:, None])
     # a token that alone reaches top-p is the nucleus (decided from bounds on each row's mass, :class:`_Target`)
     m_max = masses(w_max[:, 0])  # 0 for a row without mass (no finite logit), which is then done
-    target = _Target(w, rp.top_p, *mass_interval(w))
+    # (rows counted whole take their exact mass from the radix histogram later: a coarse bound serves here)
+    target = _Target(w, rp.top_p, *mass_interval(w, 256 if V <= _COUNT_WHOLE else 16))
     done = target.reached(m_max)
     parts = []
     n_done = int(done.sum())
