@@ -139,6 +139,22 @@ class _Target:
         """bool ``[n]``: whether ``mass`` float64 ``[n]`` reaches the target of rows ``sub`` (None: all)."""
         return self.decide(lambda z: mass >= top_p_target(_take(self.top_p, sub), z), sub)
 
+    def cut(self, w: Tensor, sub: Tensor | None = None) -> Tensor:
+        """:func:`cut_to_mass` of rows ``w`` float32 ``[n, C]`` (those of ``sub``, None: all) to their target:
+        cut once, to the upper end's; the kept set is the same for every target above the mass before its last
+        token (the lightest kept, whose mass every token of that weight has), so a row whose lower end's target
+        is not above it is settled and cut again."""
+        top_p = _take(self.top_p, sub)
+        low, high = top_p_target(top_p, _take(self.lo, sub)), top_p_target(top_p, _take(self.hi, sub))
+        kept = cut_to_mass(w, high)
+        before_last = row_mass(kept) - masses(torch.where(kept > 0, kept, float("inf")).amin(-1))
+        open_rows = (low < high) & (before_last >= low)
+        if bool(open_rows.any()):
+            self._settle(open_rows, sub)
+            at = open_rows.nonzero()[:, 0]
+            kept[at] = cut_to_mass(w[at], top_p_target(top_p[at], _take(self.lo, sub)[at]))
+        return kept
+
     def decide(self, fn, sub: Tensor | None = None) -> Tensor:
         """``fn(z)`` for the exact masses ``z`` float64 ``[n]`` of rows ``sub`` (None: all): a tensor ``[n, ...]``
         that depends on z only through a monotone decision on the target (e.g. a cut to it)."""
@@ -303,8 +319,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: _Target, 
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)
-        ids, cand, top_p = _take(ids, sub), _take(cand, sub), _take(rp.top_p, sub)
-        cand = target.decide(lambda z: cut_to_mass(cand, top_p_target(top_p, z)), sub)
+        ids, cand = _take(ids, sub), target.cut(_take(cand, sub), sub)
         parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
     if bool(dense.any()):
         sub = _rows_where(dense)
