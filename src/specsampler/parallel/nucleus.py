@@ -25,9 +25,8 @@ from torch import Tensor
 
 from ..params import RowParams
 from ..sampling.filters import _weights
-from ..sampling.greedy import nan_as_minus_inf
 from ..sampling.masses import divide_by_, masses, top_p_target
-from .argmax import argmax_keys
+from .argmax import argmax_keys, decode
 from .draws import local, normalised_bounds
 from .rounds import Gathered, Layout, Task
 from .rows import Rows, global_top
@@ -49,21 +48,24 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     row, ids = reads
     r, size = x.shape
     c = torch.full_like(rp.temperature, _LOG2E).div_(rp.temperature)[:, None]  # as filters._weights
-    got = yield [argmax_keys(x, shard), x.isnan().any(-1), *_approx_histogram(x, c)]
+    keys = argmax_keys(x, shard)
+    local_top = decode(keys)[1] if size else x.new_full((r,), float("-inf"))
+    got = yield [keys, x.isnan().any(-1), *_approx_histogram(x, c, local_top)]
     _, top = global_top(got.parts[0], got.parts[1])
     lo, hi = _estimated_interval(got, top, c, rp.top_p)
     w = _weights(x, top[:, None], rp.temperature, True, shared=rp.shared is not None)
     key, m = w.view(torch.int32), masses(w)
     # min-p: the largest weight is 1 where the row has mass (exp2(0) at its maximum)
     thr = rp.min_p * torch.isfinite(top).float()
-    over_min = (key >= MIN_KEY) & (w >= thr[:, None])
     owned, col = local(ids, shard)
     key_x, tie_x = _at_reads(key, row, col, owned)
-    first = [m.sum(-1), torch.where(over_min, m, 0.0).sum(-1), over_min.sum(-1), key_x, tie_x]
+    first = [m.sum(-1), *_over(w, key, m, thr, rp), key_x, tie_x]
     cut = _Cut(r, x.device)
     active = torch.arange(r, device=x.device)
     while active.numel():
-        got = yield first + _describe(key[active], m[active], lo[active], hi[active])
+        every = active.numel() == r  # then the rows as they are, not copies
+        got = yield first + _describe(key if every else key[active], m if every else m[active], lo[active],
+                                      hi[active])
         if first:
             total, min_mass, min_count, key_x, tie_x = got.parts[:5]
             target = top_p_target(rp.top_p, total.sum(0))
@@ -72,11 +74,13 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
         lo, hi, active = cut.settle(got.parts[-6:], got.layout, active, lo, hi, target, min_mass, min_count, thr)
     # the kept tokens: above the cut, and this rank's share of those at it (the first, by id); min-p where it keeps
     # fewer
-    keep = key > cut.key[:, None]
-    b, j = (key == cut.key[:, None]).nonzero(as_tuple=True)  # few: tokens of one weight
+    cut_key = cut.key.int()[:, None]  # int32, as the patterns (no int64 copy of the rows)
+    keep = key > cut_key
+    b, j = (key == cut_key).nonzero(as_tuple=True)  # few: tokens of one weight
     first_of_row = torch.searchsorted(b, b, right=False)
     keep[b, j] = (torch.arange(b.numel(), device=x.device) - first_of_row) < cut.ties[cut.rank][b]
-    keep = torch.where(cut.min_p[:, None], over_min, keep)
+    if bool(cut.min_p.any()):
+        keep = torch.where(cut.min_p[:, None], (key >= MIN_KEY) & (w >= thr[:, None]), keep)
     total = cut.mass.sum(0)
     w_x = key_x.int().view(torch.float32)
     kept_x = (key_x > cut.key[row]) | ((key_x == cut.key[row]) & (cut.before_owner(row, ids) + tie_x < cut.n_ties[row]))
@@ -84,6 +88,15 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     lo, hi = normalised_bounds(cut.mass, cut.count, total)
     return Rows(divide_by_(torch.where(keep, w, 0.0), total[:, None]), lo, hi,
                 divide_by_(torch.where(kept_x, w_x, 0.0), total[row]), None, None, cut.layout)
+
+
+def _over(w: Tensor, key: Tensor, m: Tensor, thr: Tensor, rp: RowParams) -> list[Tensor]:
+    """The mass and count of the weights of positive mass min-p keeps (``w >= thr``), float64 and int64 ``[r]``
+    (zeros where no row has min-p: then min-p never keeps fewer than top-p)."""
+    if rp.all_equal("min_p", 0):
+        return [m.new_zeros(m.shape[0]), key.new_zeros(key.shape[0], dtype=torch.int64)]
+    over = (key >= MIN_KEY) & (w >= thr[:, None])
+    return [torch.where(over, m, 0.0).sum(-1), over.sum(-1)]
 
 
 def _at_reads(key: Tensor, row: Tensor, col: Tensor, owned: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,21 +112,21 @@ def _at_reads(key: Tensor, row: Tensor, col: Tensor, owned: Tensor) -> tuple[Ten
     return key_x, tie_x
 
 
-def _approx_histogram(x: Tensor, c: Tensor) -> list[Tensor]:
-    """This shard's mass by quarter of an octave of weight, relative to its own maximum (float32 ``[r, 128]``, an
-    estimate), on bins every rank shares: ``floor(4 * x * c)`` counted down from that of the maximum (int64 ``[r]``),
-    and ``maximum * c`` (float32 ``[r]``) to rescale it to the global maximum."""
-    r, size = x.shape
-    top = nan_as_minus_inf(x).amax(-1) if size else x.new_full((r,), float("-inf"))
+def _approx_histogram(x: Tensor, c: Tensor, top: Tensor) -> list[Tensor]:
+    """This shard's mass by quarter of an octave of weight, relative to its own maximum ``top`` (float32 ``[r]``):
+    float32 ``[r, 128]``, an estimate, on bins every rank shares: ``floor(4 * x * c)`` counted down from that of the
+    maximum (int64 ``[r]``); and ``top * c`` (float32 ``[r]``) to rescale it to the global maximum."""
+    r = x.shape[0]
     xc, tc = x * c, top * c[:, 0]  # as filters._weights computes them
     top_bin = torch.floor(tc * PER_OCTAVE)
-    below = (top_bin[:, None] - torch.floor(xc * PER_OCTAVE)).nan_to_num_(nan=-1.0)  # exact: whole numbers
-    use = (below >= 0) & (below < APPROX_BINS)
-    w = torch.where(use, torch.exp2(xc - tc[:, None]), 0.0)
-    hist = torch.zeros(r, APPROX_BINS, dtype=torch.float64, device=x.device)
-    hist.scatter_add_(1, torch.where(use, below, 0.0).long(), w.double())
+    below = torch.mul(xc, PER_OCTAVE).floor_()
+    # bins below the maximum's; past the last (far below, -inf, NaN) into one more, dropped
+    below = torch.sub(top_bin[:, None], below, out=below).clamp_(0, APPROX_BINS).nan_to_num_(nan=APPROX_BINS)
+    w = xc.sub_(tc[:, None]).exp2_()
+    hist = torch.zeros(r, APPROX_BINS + 1, dtype=torch.float64, device=x.device)
+    hist.scatter_add_(1, below.long(), w.double())
     top_bin = torch.where(torch.isfinite(top_bin), top_bin.double(), -2.0**60).long()  # no finite logit: unused
-    return [hist.float(), top_bin, tc]
+    return [hist[:, :APPROX_BINS].float(), top_bin, tc]
 
 
 def _estimated_interval(got: Gathered, top: Tensor, c: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
@@ -152,9 +165,13 @@ def _describe(key: Tensor, m: Tensor, lo: Tensor, hi: Tensor) -> list[Tensor]:
     (float64 ``[a, SUB_BINS]``), its distinct patterns, largest first (int32 ``[a, ENTRIES]``, -1 past them) with their
     counts, and how many distinct patterns it holds."""
     a = key.shape[0]
-    above = key >= hi[:, None]
-    b, col = ((key >= lo[:, None]) & ~above & (key >= MIN_KEY)).nonzero(as_tuple=True)  # the interval: few
+    b, col = (key >= lo.int()[:, None]).nonzero(as_tuple=True)  # the interval and above: the nucleus's side, few
     k, mk = key[b, col].long(), m[b, col]
+    up = k >= hi[b]
+    above_m = torch.zeros(a, dtype=torch.float64, device=key.device).index_add_(0, b[up], mk[up])
+    above_n = torch.bincount(b[up], minlength=a)
+    inside = ~up & (k >= MIN_KEY)
+    b, k, mk = b[inside], k[inside], mk[inside]
     sub = torch.div((k - lo[b]) * SUB_BINS, (hi - lo)[b], rounding_mode="floor")
     hist = torch.zeros(a, SUB_BINS, dtype=torch.float64, device=key.device).index_put_((b, sub), mk, accumulate=True)
     uniq, counts = torch.unique(b * END_KEY + (END_KEY - k), sorted=True, return_counts=True)  # row, pattern desc
@@ -166,7 +183,7 @@ def _describe(key: Tensor, m: Tensor, lo: Tensor, hi: Tensor) -> list[Tensor]:
     ent_count = torch.zeros(a, ENTRIES, dtype=torch.int32, device=key.device)
     ent_key[ub[keep], rank[keep]] = (END_KEY - (uniq - ub * END_KEY))[keep].int()
     ent_count[ub[keep], rank[keep]] = counts[keep].int()
-    return [torch.where(above, m, 0.0).sum(-1), above.sum(-1), hist, ent_key, ent_count, n_distinct]
+    return [above_m, above_n, hist, ent_key, ent_count, n_distinct]
 
 
 class _Cut:

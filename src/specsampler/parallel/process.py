@@ -14,6 +14,8 @@ elementwise weights ``exp2(x * c - m * c)`` computed as on one device, exact fix
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -54,8 +56,12 @@ def process(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
         mine = at[row] >= 0  # the reads in these rows
         extra = (greedy[rows], min_candidates) if fn is _bounded else ()
         groups.append((rows, mine))
-        tasks.append(fn(x.index_select(0, rows), rp.take(rows), shard, (at[row[mine]], ids[mine]), *extra))
+        every = rows.numel() == R
+        tasks.append(fn(x if every else x.index_select(0, rows), rp if every else rp.take(rows), shard,
+                        (at[row[mine]], ids[mine]), *extra))
     results = yield from together(*tasks)
+    if len(results) == 1 and groups[0][0].numel() == R:  # rows of one kind (the usual case): as they are
+        return results[0] if results[0].part is None else replace(results[0], part_rows=groups[0][0])
     world = results[0].lo.shape[0] if results else 1
     out = Rows(torch.zeros(R, size, device=dev), *(torch.zeros(world, R, dtype=torch.float64, device=dev),) * 2,
                torch.zeros(row.shape, device=dev), None, torch.zeros(0, dtype=torch.int64, device=dev),
