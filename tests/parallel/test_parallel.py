@@ -204,10 +204,14 @@ def test_the_cost_model_plans_the_rounds_and_bytes_the_shard_path_sends(ranks):
 
 def test_flat_nuclei_and_wide_trees_equal_the_one_device_op(ranks):
     """Rows whose nucleus's edge holds many tokens (their cut described over more rounds), ties, top-p with min-p,
-    trees whose nodes have three and four children: the one-device tokens, within the documented rounds."""
+    trees whose nodes have three and four children: the one-device tokens, within the documented rounds at the CI
+    size (V = 3001); at full size (V = 32000) the flattest rows hold more than 32 distinct weights in a 1/256 octave
+    on a rank, and each further description (64 times narrower) costs a round."""
+    extra = 0 if scenarios.WIDE_V < 10_000 else 3
     for name, got, want, calls in _same_on_every_rank(ranks, "wide"):
         assert got == want, name
-        assert len(calls) <= {"sample": 4, "chain target_only": 4}.get(name, 5 if name.startswith("chain") else 8), name
+        usual = {"sample": 4, "chain target_only": 4}.get(name, 5 if name.startswith("chain") else 8)
+        assert len(calls) <= usual + extra, name
 
 
 def test_a_short_estimate_costs_rounds_never_tokens(ranks):
