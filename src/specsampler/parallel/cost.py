@@ -78,12 +78,12 @@ def _draw(n: int) -> int:
 
 def _process(rp: RowParams, V: int, rows_reads: Tensor, min_candidates: int = 0) -> tuple[list[int], int]:
     """Bytes per round of :func:`.process.process` of rows with parameters ``rp`` (reads per row ``rows_reads``),
-    and the rows drawn across the shards (neither greedy nor top-k)."""
-    greedy, bounded, nucleus, plain = _kinds(rp.temperature, rp.top_k, rp.top_p, V, True)
+    and the rows drawn across the shards (neither greedy nor top-k). Read on the host."""
+    greedy, bounded, nucleus, plain = (t.cpu() for t in _kinds(rp.temperature, rp.top_k, rp.top_p, V, True))
     tasks = []
     nb = int(bounded.sum())
     if nb:
-        C = min(V, max(min_candidates, int(torch.where(greedy, 1, rp.top_k)[bounded].max())))
+        C = min(V, max(min_candidates, int(torch.where(greedy, 1, rp.top_k.cpu())[bounded].max())))
         tasks.append([_b(nb * C, 4) + _b(nb * C, 8)])
     nn, reads = int(nucleus.sum()), int(rows_reads[nucleus].sum())
     if nn:
