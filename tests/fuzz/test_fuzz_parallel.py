@@ -1,6 +1,7 @@
 """Fuzzing ``specsampler.parallel`` against the error policy on a gloo group of one process (the whole
 vocabulary on one shard; tests/parallel checks the splits): a clear error, or the one-device op's results, with
-inputs unchanged, greedy and sampled rows alike."""
+inputs unchanged, greedy and sampled rows alike, with either strategy (the rows processed on the shard, or
+gathered)."""
 
 from __future__ import annotations
 
@@ -73,19 +74,22 @@ def test_parallel_ops_give_a_clear_error_or_the_one_device_results():
         shard = parallel.VocabShard(0, V, V)
         bad = case.validate == "full" and (bad_logits(logits) or bool(((drafts < 0) | (drafts >= V)).any()))
         rng = ss.Philox(torch.arange(case.B) + case.drafts_seed)
-        out = call_contract(lambda: parallel.verify_chain_from_logits(
-            logits, drafts, params, method="target_only", rng=rng, vocab_mask=mask, shard=shard,
-            validate=case.validate), [logits, drafts, mask], must_raise=bad, must_pass=not bad, value_error=bad)
-        if out.error is not None:
-            return
-        res = out.result
-        assert_ids(res.tokens, V, pad=True, what="ChainResult.tokens")
-        want = ss.verify_chain_from_logits(logits, drafts, params, method="target_only", rng=rng, vocab_mask=mask)
-        assert torch.equal(res.tokens, want.tokens) and torch.equal(res.num_accepted, want.num_accepted)
-        rows = logits[:, 0]
-        sampled = parallel.sample_from_logits(rows, params, rng, vocab_mask=None if mask is None else mask[:, 0],
-                                              num_logprobs=2, shard=shard)
-        one = ss.sample_from_logits(rows, params, rng, vocab_mask=None if mask is None else mask[:, 0], num_logprobs=2)
-        assert all(torch.equal(a, b) for a, b in zip(sampled, one))
+        for strategy in ("shard", "gather"):
+            out = call_contract(lambda strategy=strategy: parallel.verify_chain_from_logits(
+                logits, drafts, params, method="target_only", rng=rng, vocab_mask=mask, shard=shard,
+                validate=case.validate, strategy=strategy), [logits, drafts, mask], must_raise=bad, must_pass=not bad,
+                value_error=bad)
+            if out.error is not None:
+                return
+            res = out.result
+            assert_ids(res.tokens, V, pad=True, what="ChainResult.tokens")
+            want = ss.verify_chain_from_logits(logits, drafts, params, method="target_only", rng=rng, vocab_mask=mask)
+            assert torch.equal(res.tokens, want.tokens) and torch.equal(res.num_accepted, want.num_accepted)
+            rows = logits[:, 0]
+            row_mask = None if mask is None else mask[:, 0]
+            sampled = parallel.sample_from_logits(rows, params, rng, vocab_mask=row_mask, num_logprobs=2, shard=shard,
+                                                  strategy=strategy)
+            one = ss.sample_from_logits(rows, params, rng, vocab_mask=row_mask, num_logprobs=2)
+            assert all(torch.equal(a, b) for a, b in zip(sampled, one)), strategy
 
     fuzz("parallel", "torch", cases(), body, n=(40, 0))

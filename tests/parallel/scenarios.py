@@ -1,6 +1,7 @@
 """What each rank of a spawned group runs: every parallel op on its shard of inputs that all ranks build from
 one seed, compared with the one-device op on the whole rows. Each scenario returns the results (as lists) of
-the parallel op, of the one-device op, and the collectives it sent; the test compares them across ranks."""
+the parallel op, of the one-device op, and the collectives it sent; the test compares them across ranks.
+The ops run with ``strategy="shard"`` unless a scenario is about the strategies."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def _cut(t: torch.Tensor, shard: parallel.VocabShard) -> torch.Tensor:
 
 
 def _counted(op, *args, **kwargs):
-    """``op(*args, **kwargs)`` and the collectives it called."""
+    """``op(*args, **kwargs)`` (the shard strategy unless the call names one) and the collectives it called."""
+    kwargs.setdefault("strategy", "shard")
     with parallel.count_collectives() as log:
         out = op(*args, **kwargs)
     return out, log.calls
@@ -265,7 +267,7 @@ def monte_carlo() -> dict:
     for method in ("token", "block"):
         res = parallel.verify_chain_from_logits(logits[..., s.start:s.end].contiguous(), x, draft_probs=
                                                 q[..., s.start:s.end].contiguous(), method=method,
-                                                rng=ss.Philox(torch.arange(trials)), shard=s)
+                                                rng=ss.Philox(torch.arange(trials)), shard=s, strategy="shard")
         exact = oracle.chain(target, draft, K, method, Vs)
         p_emitted, impossible = ex.chi_square(ex.encode(res.tokens, Vs), ex.encode_dist(exact.sequences, K + 1, Vs))
         p_joint, more = ex.chi_square(ex.encode(ex.continue_with(P, res.tokens, gen), Vs),
@@ -282,7 +284,7 @@ def monte_carlo() -> dict:
         res = parallel.verify_tree_from_logits(p.log()[..., s.start:s.end].contiguous(), x, tree_,
                                                draft_probs=q[..., s.start:s.end].contiguous(), method=method,
                                                draft_sampling=sampling, rng=ss.Philox(torch.arange(trials) + 7),
-                                               shard=s)
+                                               shard=s, strategy="shard")
         exact = oracle.tree(target, drafter, shape, method, Vs, draft_sampling=sampling)
         p_emitted, impossible = ex.chi_square(ex.encode(res.tokens, Vs), ex.encode_dist(exact.sequences, D + 1, Vs))
         out[f"tree/{method}/{sampling}"] = [p_emitted, impossible]
@@ -290,24 +292,229 @@ def monte_carlo() -> dict:
 
 
 def errors(shard, g):
-    """Mistakes raise on every rank, none waits for the others: a bad value on one rank only, with
-    validate='full'; a torch.Generator; sampled rows without a Philox (each rank would draw its own numbers)."""
+    """Mistakes raise on every rank, none waits for the others, with either strategy: a bad value on one rank only,
+    with validate='full'; a torch.Generator; sampled rows without a Philox (each rank would draw its own numbers)."""
     x = torch.zeros(2, shard.size)
     if shard.start == 0:
         x[1, 0] = float("nan")
     caught = []
-    for call in (lambda: parallel.sample_from_logits(x, ss.SamplingParams(temperature=0.0), shard=shard,
-                                                     validate="full"),
-                 lambda: parallel.sample_from_logits(x, ss.SamplingParams(temperature=0.0), torch.Generator(),
-                                                     shard=shard),
-                 lambda: parallel.sample_from_logits(x, ss.SamplingParams(temperature=1.0), shard=shard)):
-        try:
-            call()
-            caught.append(None)
-        except ValueError as e:
-            caught.append(type(e).__name__)
+    for strategy in ("shard", "gather"):
+        for args, kwargs in (((ss.SamplingParams(temperature=0.0),), dict(validate="full")),
+                             ((ss.SamplingParams(temperature=0.0), torch.Generator()), {}),
+                             ((ss.SamplingParams(temperature=1.0),), {})):
+            try:
+                parallel.sample_from_logits(x, *args, shard=shard, strategy=strategy, **kwargs)
+                caught.append(None)
+            except ValueError as e:
+                caught.append(type(e).__name__)
     return caught
 
 
+KINDS = {"temperature": dict(temperature=0.8), "min-p": dict(min_p=0.2), "top-k": dict(top_k=5),
+         "top-k, top-p": dict(top_k=5, top_p=0.8), "top-p": dict(top_p=0.8), "top-p, min-p": dict(top_p=0.9, min_p=0.1),
+         "mixed": None}  # None: _params' mix of every kind, greedy rows included
+BINARY = [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4]  # depth 3, at most two children a node
+WIDE = [-1, 0, 0, 0, 0, 1, 1, 1, 5, 5]  # four children of the root, three of node 1
+
+
+def rounds(shard, g):
+    """Every op and method (shard strategy) for each kind of row: the collectives it sent, the bytes per round the
+    cost model plans for it, what bounds its rounds (the top-p rows, a token verification's rejections, the tree),
+    and whether it equals the one-device op."""
+    from specsampler.parallel import cost
+
+    B, K = 6, 4
+    out = []
+    x, mask, q = _sampled_logits(g, B, K + 1), _mask(g, B, K + 1), _draft_probs(g, B, K)
+    drafts = torch.multinomial(q.view(-1, V) + 1e-9, 1, generator=g).view(B, K)
+    rng = _philox(g, B)
+    for kind, fields in KINDS.items():
+        params = _params(g, B) if fields is None else ss.SamplingParams(**fields)
+        top_p = bool(((params.rows("", B, 1, x.device, False).top_p < 1) & ~(
+            (params.rows("", B, 1, x.device, False).top_k > 0))).any())
+        rp = params.rows("", B, 1, x.device, False)
+        res, calls = _counted(parallel.sample_from_logits, _cut(x[:, 0], shard), params, rng, num_logprobs=2,
+                              shard=shard)
+        ref = ss.sample_from_logits(x[:, 0], params, rng, num_logprobs=2)
+        plan = cost.sample_plan(rp, False, 2, _cut(x[:, 0], shard), None, shard)[0]
+        out.append(["sample", kind, top_p, {}, calls, plan, [t.tolist() for t in res] == [t.tolist() for t in ref]])
+        rp = params.rows("", B, K + 1, x.device, False)
+        for method in ("token", "block", "target_only"):
+            dp = q if method != "target_only" else None
+            res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
+                                  draft_probs=None if dp is None else _cut(dp, shard), method=method, rng=rng,
+                                  vocab_mask=_cut(mask, shard), shard=shard)
+            ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=dp, method=method, rng=rng,
+                                              vocab_mask=mask)
+            plan = cost.chain_plan(method, False, rp, _cut(x, shard), None if dp is None else _cut(dp, shard),
+                                   _cut(mask, shard), shard)[0]
+            info = {"rejected": bool((res.num_accepted < K).any())}
+            out.append([f"chain {method}", kind, top_p, info, calls, plan, _outcome(res) == _outcome(ref)])
+        for shape in (BINARY, WIDE):
+            tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
+            N = len(shape)
+            xt, qt = _sampled_logits(g, B, N), _draft_probs(g, B, N)
+            dt = torch.multinomial(qt.view(-1, V) + 1e-9, 1, generator=g).view(B, N)
+            rp = params.rows("", B, N, x.device, False)
+            for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
+                                     ("traversal", "without_replacement"), ("target_only", "iid")):
+                dp = qt if method != "target_only" else None
+                res, calls = _counted(parallel.verify_tree_from_logits, _cut(xt, shard), dt, tree_, params,
+                                      draft_probs=None if dp is None else _cut(dp, shard), method=method,
+                                      draft_sampling=sampling, rng=rng, shard=shard)
+                ref = ss.verify_tree_from_logits(xt, dt, tree_, params, draft_probs=dp, method=method,
+                                                 draft_sampling=sampling, rng=rng)
+                plan = cost.tree_plan(method, sampling, False, rp, tree_, _cut(xt, shard),
+                                      None if dp is None else _cut(dp, shard), None, shard)[0]
+                info = {"shape": shape, "depth": tree_.max_depth, "children": tree_.max_children}
+                same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
+                out.append([f"tree {method}/{sampling}", kind, top_p, info, calls, plan, same])
+    return out
+
+
+WIDE_V = 32_000 if os.environ.get("SPECSAMPLER_FULL_MC") == "1" else 3001  # the suite's full-size switch
+
+
+def _wide_shard(shard: parallel.VocabShard) -> parallel.VocabShard:
+    """The shard's split, scaled to a vocabulary of WIDE_V."""
+    start, end = shard.start * WIDE_V // V, shard.end * WIDE_V // V
+    return parallel.VocabShard(start, end - start, WIDE_V, shard.group)
+
+
+def wide(shard, g):
+    """Flat rows over a wider vocabulary (many tokens at the nucleus's edge: its cut takes more than one round of
+    description), peaked rows and ties, with top-p, min-p and both; sampling, chains and trees."""
+    s = _wide_shard(shard)
+    B, K = 6, 3
+    scale = torch.tensor([0.2, 0.5, 3.0, 0.2, 1.0, 0.0])[:, None, None]  # 0: every logit equal
+    x = torch.randn(B, K + 1, WIDE_V, generator=g) * scale
+    x[3] = torch.randint(-2, 3, (K + 1, WIDE_V), generator=g).float()  # ties at every cut
+    q = torch.softmax(torch.randn(B, K, WIDE_V, generator=g), -1)
+    drafts = torch.multinomial(q.view(-1, WIDE_V), 1, generator=g).view(B, K)
+    rng = _philox(g, B)
+    cut = lambda t: t[..., s.start:s.end].contiguous()  # noqa: E731
+    out = []
+    for params in (ss.SamplingParams(top_p=0.9), ss.SamplingParams(top_p=torch.tensor([0.5, 0.99, 0.9, 0.7, 0.3, 0.6]),
+                                                                   min_p=torch.tensor([0.0, 0.5, 0.0, 0.2, 0.9, 0.0]))):
+        res, calls = _counted(parallel.sample_from_logits, cut(x[:, 0]), params, rng, num_logprobs=3, shard=s)
+        ref = ss.sample_from_logits(x[:, 0], params, rng, num_logprobs=3)
+        out.append(["sample", [t.tolist() for t in res], [t.tolist() for t in ref], calls])
+        for method in ("token", "block", "target_only"):
+            dp = q if method != "target_only" else None
+            res, calls = _counted(parallel.verify_chain_from_logits, cut(x), drafts, params,
+                                  draft_probs=None if dp is None else cut(dp), method=method, rng=rng, shard=s)
+            ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=dp, method=method, rng=rng)
+            out.append([f"chain {method}", _outcome(res), _outcome(ref), calls])
+    tree_ = ss.TokenTree.from_parents(torch.tensor([WIDE[:8]] * B))
+    xt = x[:, :2].repeat(1, 4, 1)
+    qt = torch.softmax(torch.randn(B, 8, WIDE_V, generator=g), -1)
+    dt = torch.multinomial(qt.view(-1, WIDE_V), 1, generator=g).view(B, 8)
+    for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
+                             ("traversal", "without_replacement")):
+        res, calls = _counted(parallel.verify_tree_from_logits, cut(xt), dt, tree_, ss.SamplingParams(top_p=0.9),
+                              draft_probs=cut(qt), method=method, draft_sampling=sampling, rng=rng, shard=s)
+        ref = ss.verify_tree_from_logits(xt, dt, tree_, ss.SamplingParams(top_p=0.9), draft_probs=qt, method=method,
+                                         draft_sampling=sampling, rng=rng)
+        out.append([f"tree {method}/{sampling}", _outcome(res) + [res.path.tolist()],
+                    _outcome(ref) + [ref.path.tolist()], calls])
+    return out
+
+
+def wide_auto(shard, g):
+    """auto under a bandwidth-only link on rows of WIDE_V ids: its collectives and the shard strategy's, and
+    whether it gave the one-device tokens."""
+    s = _wide_shard(shard)
+    B, K = 4, 3
+    x, rng = torch.randn(B, K + 1, WIDE_V, generator=g) * 3, _philox(g, B)
+    q = torch.softmax(torch.randn(B, K, WIDE_V, generator=g), -1)
+    drafts = torch.multinomial(q.view(-1, WIDE_V), 1, generator=g).view(B, K)
+    cut = lambda t: t[..., s.start:s.end].contiguous()  # noqa: E731
+    params = ss.SamplingParams(temperature=0.8, top_p=0.9)
+    out = []
+    for name, call, ref in (
+            ("sample", lambda **kw: parallel.sample_from_logits(cut(x[:, 0]), params, rng, shard=s, **kw).tokens,
+             ss.sample_from_logits(x[:, 0], params, rng).tokens),
+            ("chain token", lambda **kw: parallel.verify_chain_from_logits(
+                cut(x), drafts, params, draft_probs=cut(q), method="token", rng=rng, shard=s, **kw).tokens,
+             ss.verify_chain_from_logits(x, drafts, params, draft_probs=q, method="token", rng=rng).tokens)):
+        res, calls = _counted(call, strategy="auto", link=parallel.Link(0.0, 1.0))
+        _, shard_calls = _counted(call)
+        out.append([name, res.tolist() == ref.tolist(), calls, shard_calls])
+    return out
+
+
+def fallbacks(shard, g):
+    """What an estimate that falls short costs: a draw whose bounds on the other shards' masses are loose (its
+    window cannot cover them), and top-p cuts whose estimated interval misses the crossing; the tokens and the
+    rounds each took, with the one-device tokens."""
+    import torch.distributed as dist
+
+    from specsampler.parallel import draws, nucleus, rounds
+    from specsampler.sampling.masses import sample_by_inversion
+
+    R, world, s = 12, dist.get_world_size(), _wide_shard(shard)
+    w = torch.rand(R, WIDE_V, generator=g) * (torch.rand(R, WIDE_V, generator=g) < 0.7)
+    u = torch.rand(R, generator=g)
+    layout = rounds.exchange(s, []).layout
+    lo, hi = torch.zeros(world, R, dtype=torch.float64), torch.full((world, R), 2.0**40, dtype=torch.float64)
+    with parallel.count_collectives() as log:
+        token, _ = rounds.run(draws.draw(w[:, s.start:s.end].contiguous(), u, lo, hi, layout, s), s, w.device)
+    out = {"draw": [token.tolist(), sample_by_inversion(w, u).tolist(), log.rounds]}
+    x = _sampled_logits(g, 8, 1)[:, 0]
+    params, rng = ss.SamplingParams(top_p=torch.linspace(0.2, 0.95, 8)), _philox(g, 8)
+    estimate = nucleus._estimated_interval
+    for name, wrong in (("above", nucleus.END_KEY - 1), ("below", nucleus.MIN_KEY)):
+        nucleus._estimated_interval = lambda *args, k=wrong: (torch.full((8,), k), torch.full((8,), k + 1))
+        try:
+            res, calls = _counted(parallel.sample_from_logits, _cut(x, shard), params, rng, shard=shard)
+        finally:
+            nucleus._estimated_interval = estimate
+        ref = ss.sample_from_logits(x, params, rng)
+        out[name] = [res.tokens.tolist(), ref.tokens.tolist(), len(calls)]
+    return out
+
+
+def strategies(shard, g):
+    """gather (the rows all-gathered, then the one-device op) for each op, greedy and sampled, in bf16 with masks;
+    and auto under a latency-only link: the collectives each sent, with the shard strategy's."""
+    B, K = 5, 3
+    x = _sampled_logits(g, B, K + 1).bfloat16()
+    mask, q, rng, params = _mask(g, B, K + 1), _draft_probs(g, B, K), _philox(g, B), _params(g, B)
+    drafts = torch.multinomial(q.view(-1, V) + 1e-9, 1, generator=g).view(B, K)
+    tree_ = ss.TokenTree.from_parents(torch.tensor([BINARY[:8]] * B))
+    qt = _draft_probs(g, B, 8)
+    calls = {
+        "sample": (lambda **kw: parallel.sample_from_logits(_cut(x[:, 0], shard), params, rng, _cut(mask[:, 0], shard),
+                                                            num_logprobs=2, shard=shard, **kw),
+                   lambda: ss.sample_from_logits(x[:, 0], params, rng, mask[:, 0], num_logprobs=2)),
+        "sample greedy": (lambda **kw: parallel.sample_from_logits(_cut(x[:, 0], shard), ss.SamplingParams(
+            temperature=0.0), shard=shard, **kw), lambda: ss.sample_from_logits(x[:, 0], ss.SamplingParams(
+                temperature=0.0))),
+        "chain token": (lambda **kw: parallel.verify_chain_from_logits(
+            _cut(x, shard), drafts, params, draft_probs=_cut(q, shard), method="token", rng=rng,
+            vocab_mask=_cut(mask, shard), shard=shard, **kw), lambda: ss.verify_chain_from_logits(
+                x, drafts, params, draft_probs=q, method="token", rng=rng, vocab_mask=mask)),
+        "tree traversal": (lambda **kw: parallel.verify_tree_from_logits(
+            _cut(x[:, :2].repeat(1, 4, 1), shard), drafts[:, :1].repeat(1, 8), tree_, params,
+            draft_probs=_cut(qt, shard), method="traversal", rng=rng, shard=shard, **kw),
+            lambda: ss.verify_tree_from_logits(x[:, :2].repeat(1, 4, 1), drafts[:, :1].repeat(1, 8), tree_, params,
+                                               draft_probs=qt, method="traversal", rng=rng)),
+    }
+    out = {}
+    for name, (call, one_device) in calls.items():
+        ref = _outcome(one_device())
+        got = {}
+        for label, strategy, link in (("gather", "gather", None), ("shard", "shard", None),
+                                      ("auto, latency only", "auto", parallel.Link(1.0, 0.0))):
+            with parallel.count_collectives() as log:
+                res = call(strategy=strategy, link=link)
+            got[label] = [_outcome(res) == ref, log.calls]
+        out[name] = got
+    out["default link"] = parallel.cost.link_of(None, shard) == parallel.cost.LINKS["ethernet"]
+    return out
+
+
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
-             "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness}
+             "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
+             "rounds": rounds, "wide": wide, "wide auto": wide_auto, "fallbacks": fallbacks,
+             "strategies": strategies}

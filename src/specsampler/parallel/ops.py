@@ -1,10 +1,11 @@
 """The public ops on vocabulary shards: ``sample_from_logits``, ``verify_chain_from_logits``,
 ``verify_tree_from_logits`` with ``shard=`` (docs/design.md, "Vocab-parallel").
 
-Greedy decisions (``method="greedy"``, every temperature 0) take one ``all_reduce`` of the rows' argmax keys
-(:mod:`.argmax`). Sampled rows are processed on the shards (:mod:`.process`) and the one-device walks run on
-them through :class:`.vocab.ShardVocab`, whose sums, values and draws are exact whatever the split: every rank
-takes the decisions the one-device op takes, on the same Philox numbers.
+Two strategies, the same tokens: ``shard`` keeps the rows where they are: greedy decisions take one ``all_reduce``
+of the rows' argmax keys (:mod:`.argmax`), sampled rows are processed on the shards (:mod:`.process`) and verified
+(:mod:`.walks`) in a few rounds of small collectives (:mod:`.rounds`), every rank taking the decisions the
+one-device op takes on the same Philox numbers; ``gather`` all-gathers the rows (:mod:`.gather`) and runs the
+one-device op. ``auto`` picks the cheaper by a latency-bandwidth model of the link (:mod:`.cost`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import sampling as _sampling
 from ..params import SamplingParams
-from ..rng import STREAM_SAMPLE, Philox, uniform
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
 from ..sampling import SampleOutput
 from ..sampling.rounding import in_vector_body
 from ..validation import (
@@ -28,36 +30,46 @@ from ..validation import (
     check_token_values,
     fail,
 )
-from ..verify import ChainResult, TokenTree, TreeResult, walks
+from ..verify import ChainResult, TokenTree, TreeResult
 from ..verify import chain as _chain
 from ..verify import tree as _tree
+from ..verify import walks as _walks
+from . import cost, walks
 from .argmax import shard_argmax
-from .process import process_shard
+from .gather import whole_rows
+from .process import process, sample
+from .rounds import run
 from .shard import VocabShard
-from .vocab import ShardVocab
+
+STRATEGIES = ("auto", "shard", "gather")
 
 
 def _inputs(op: str, logits: Tensor, name: str, ndim: int, shard: object, rng: object, vocab_mask: Tensor | None,
-            full: bool) -> Tensor:
-    """Checks shared by the ops; returns the logits (their dtype) with masked tokens at -inf."""
+            strategy: str, link: object) -> None:
+    """Checks shared by the ops (those every rank can make alike, before any collective)."""
     if not isinstance(shard, VocabShard):
         fail(op, "shard", "a specsampler.parallel.VocabShard", type(shard).__name__)
     if rng is not None and not isinstance(rng, Philox):
         fail(op, "rng", "a specsampler.Philox (the same streams on every rank)", type(rng).__name__)
+    if strategy not in STRATEGIES:
+        fail(op, "strategy", f"one of {STRATEGIES}", repr(strategy))
+    if link is not None and not isinstance(link, cost.Link) and link not in cost.LINKS:
+        fail(op, "link", f"None, a specsampler.parallel.Link or one of {tuple(cost.LINKS)}", repr(link))
     check_tensor(op, name, logits, kind="float", ndim=ndim)
     shard.check_rows(op, name, logits)
-    x = logits
     if vocab_mask is not None:
         check_tensor(op, "vocab_mask", vocab_mask, kind="bool")
         check_device(op, "vocab_mask", vocab_mask, logits.device)
         try:
-            mask = vocab_mask.expand_as(x)
+            vocab_mask.expand_as(logits)
         except RuntimeError:
-            fail(op, "vocab_mask", f"a bool tensor broadcastable to {list(x.shape)}", f"shape {list(vocab_mask.shape)}")
-        x = x.masked_fill(~mask, float("-inf"))
-    if full:
-        _agreed(op, shard, lambda: check_logits_values(op, name, logits), logits.device)
-    return x
+            fail(op, "vocab_mask", f"a bool tensor broadcastable to {list(logits.shape)}",
+                 f"shape {list(vocab_mask.shape)}")
+
+
+def _masked(logits: Tensor, vocab_mask: Tensor | None) -> Tensor:
+    """The logits (their dtype) with masked tokens at -inf."""
+    return logits if vocab_mask is None else logits.masked_fill(~vocab_mask.expand_as(logits), float("-inf"))
 
 
 def _agreed(op: str, shard: VocabShard, check, device) -> None:
@@ -89,91 +101,128 @@ def _rows(op: str, params: SamplingParams | None, B: int, M: int, device, full: 
     return (params if params is not None else SamplingParams()).rows(op, B, M, device, full)
 
 
+def _gathered(shard: VocabShard, logits: Tensor, vocab_mask: Tensor | None, *more: Tensor | None) -> list[Tensor]:
+    """The ``gather`` strategy's round: the whole rows of the logits, the mask (where given) and ``more`` (where
+    given), on every rank. The values were checked on the shards (``validate="full"``), so the one-device op that
+    follows checks structure only."""
+    rows = [logits] + ([] if vocab_mask is None else [vocab_mask.expand_as(logits)])
+    return whole_rows(shard, rows + [t for t in more if t is not None])
+
+
+def _strategy(strategy: str, link, shard: VocabShard, plans) -> str:
+    """``strategy``, or for ``auto`` the one :mod:`.cost` predicts cheaper (``plans()``: the bytes each rank sends
+    per round with ``shard`` and with ``gather``; the same on every rank, so every rank chooses alike)."""
+    if strategy != "auto":
+        return strategy
+    return cost.choose(cost.link_of(link, shard), dist.get_world_size(shard.group), *plans())
+
+
 def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng: Philox | None = None,
                        vocab_mask: Tensor | None = None, num_logprobs: int = 0, *, shard: VocabShard,
-                       validate: str = "structure") -> SampleOutput:
+                       validate: str = "structure", strategy: str = "auto",
+                       link: str | cost.Link | None = None) -> SampleOutput:
     """:func:`specsampler.sample_from_logits` on shards: logits float ``[B, shard.size]`` (global ids
     ``[shard.start, shard.end)``), vocab_mask bool broadcastable to it; the same :class:`SampleOutput` (global
     ids) on every rank, equal to the one-device op on the whole rows; ``rng`` a :class:`Philox` where a row is
-    sampled."""
+    sampled. strategy: ``"shard"`` (at most 3 rounds, 4 with top-p: docs/design.md), ``"gather"`` (the rows
+    all-gathered, then the one-device op) or ``"auto"`` (the cheaper for ``link``, :mod:`.cost`)."""
     op = "parallel.sample_from_logits"
     full = check_mode(op, validate)
-    x = _inputs(op, logits, "logits", 2, shard, rng, vocab_mask, full)
+    _inputs(op, logits, "logits", 2, shard, rng, vocab_mask, strategy, link)
     if isinstance(num_logprobs, bool) or not isinstance(num_logprobs, int) or num_logprobs < 0:
         fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
-    if not _greedy(params):
-        return _sample(op, x, params, rng, num_logprobs, shard, full)
+    greedy = _greedy(params)
+    if not greedy:
+        _sampled_needs_philox(op, rng)
+    B, dev = logits.shape[0], logits.device
+    rp = _rows(op, params, B, 1, dev, full)
+    if full:
+        _agreed(op, shard, lambda: check_logits_values(op, "logits", logits), dev)
+    how = _strategy(strategy, link, shard, lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask,
+                                                                     shard))
+    if how == "gather":
+        x, *mask = _gathered(shard, logits, vocab_mask)
+        return _sampling.sample_from_logits(x, params, rng, mask[0] if mask else None, num_logprobs)
+    x = _masked(logits, vocab_mask)
+    if not greedy or num_logprobs > 1:  # more log-probabilities: the greedy rows' candidates, as on one device
+        return _sample(op, x, rp, rng, num_logprobs, shard)
     tokens, mass = shard_argmax(x, shard)
     # a greedy row is one-hot: log-probability 0 at its token, -inf elsewhere; -inf everywhere without mass
     logprobs = torch.where(mass, 0.0, float("-inf"))
     if num_logprobs == 0:
         return SampleOutput(tokens, logprobs, None, None)
-    B = x.shape[0]
-    top_ids = torch.full((B, num_logprobs), -1, dtype=torch.int64, device=x.device)
-    top_lp = torch.full((B, num_logprobs), float("-inf"), device=x.device)
-    top_ids[:, 0] = torch.where(mass, tokens, -1)
-    top_lp[:, 0] = logprobs
-    return SampleOutput(tokens, logprobs, top_ids, top_lp)
+    return SampleOutput(tokens, logprobs, torch.where(mass, tokens, -1)[:, None], logprobs[:, None])
 
 
-def _sample(op, x, params, rng, num_logprobs, shard, full) -> SampleOutput:
-    """Sampled (and mixed) rows: processed on the shards, drawn by exact inversion across them."""
-    _sampled_needs_philox(op, rng)
-    B = x.shape[0]
-    proc = process_shard(x.float(), _rows(op, params, B, 1, x.device, full), ShardVocab(shard))
-    tokens = proc.sample(uniform(rng, op, B, 1, STREAM_SAMPLE, x.device).reshape(-1))
-    logprobs = in_vector_body(torch.log, proc.prob(tokens))
-    top_ids = top_lp = None
-    if num_logprobs:
-        top_ids, top_lp = proc.top(num_logprobs)
-    return SampleOutput(tokens, logprobs, top_ids, top_lp)
+def _sample(op, x, rp, rng, num_logprobs, shard) -> SampleOutput:
+    """Sampled (and mixed) rows, and greedy ones with more than one log-probability: processed on the shards,
+    drawn by exact inversion across them."""
+    B, dev = x.shape[0], x.device
+    u = uniform(rng, op, B, 1, STREAM_SAMPLE, dev).reshape(-1)
+
+    def steps():
+        rows = yield from process(x.float(), rp, shard, None, num_logprobs)
+        return (yield from sample(rows, u, num_logprobs, shard))
+
+    if B == 0:
+        tokens, probs = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, device=dev)
+        top_ids, top_p = torch.zeros(0, num_logprobs, dtype=torch.int64, device=dev), torch.zeros(0, num_logprobs,
+                                                                                                   device=dev)
+    else:
+        tokens, probs, top_ids, top_p = run(steps(), shard, dev)
+    logprobs = in_vector_body(torch.log, probs)
+    if not num_logprobs:
+        return SampleOutput(tokens, logprobs, None, None)
+    return SampleOutput(tokens, logprobs, top_ids, in_vector_body(torch.log, top_p))
 
 
 def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params: SamplingParams | None = None, *,
                              draft_probs: Tensor | None = None, num_drafts: Tensor | None = None,
                              method: str = "auto", rng: Philox | None = None, vocab_mask: Tensor | None = None,
-                             shard: VocabShard, validate: str = "structure") -> ChainResult:
+                             shard: VocabShard, validate: str = "structure", strategy: str = "auto",
+                             link: str | cost.Link | None = None) -> ChainResult:
     """:func:`specsampler.verify_chain_from_logits` on shards: target_logits float ``[B, K+1, shard.size]``,
     draft_tokens integer ``[B, K]`` (global ids), num_drafts integer ``[B]``; the same :class:`ChainResult` on
     every rank, equal to the one-device op; draft_probs float ``[B, K, shard.size]``; ``rng`` a :class:`Philox`
-    unless every decision is greedy."""
+    unless every decision is greedy. strategy: ``"shard"`` (at most 5 rounds), ``"gather"`` or ``"auto"``, as for
+    :func:`sample_from_logits`."""
     op = "parallel.verify_chain_from_logits"
     full = check_mode(op, validate)
-    x = _inputs(op, target_logits, "target_logits", 3, shard, rng, vocab_mask, full)
-    B, K1, _ = x.shape
-    K, dev, V = K1 - 1, x.device, shard.vocab_size
+    _inputs(op, target_logits, "target_logits", 3, shard, rng, vocab_mask, strategy, link)
+    B, K1, size = target_logits.shape
+    K, dev, V = K1 - 1, target_logits.device, shard.vocab_size
     check_tensor(op, "draft_tokens", draft_tokens, kind="int", ndim=2)
     check_shape(op, "draft_tokens", draft_tokens, (B, K), "[B, K]")
     check_device(op, "draft_tokens", draft_tokens, dev)
-    method, q = check_method(op, method, _chain.METHODS, ("token", "block"), draft_probs,
-                             (B, K, shard.size), "[B, K, shard.size]", dev)
+    method, q = check_method(op, method, _chain.METHODS, ("token", "block"), draft_probs, (B, K, size),
+                             "[B, K, shard.size]", dev)
+    greedy = method == "greedy" or method == "target_only" and _greedy(params)
+    if not greedy:
+        _sampled_needs_philox(op, rng)
     drafts = draft_tokens.long()
     n_max = _chain.check_num_drafts(op, num_drafts, B, K, dev, full)
+    rp = _rows(op, params, B, K1, dev, full)
     if full:
-        _agreed(op, shard, lambda: check_token_values(op, "draft_tokens", drafts, V), dev)
+        _agreed(op, shard, lambda: (check_logits_values(op, "target_logits", target_logits),
+                                    check_token_values(op, "draft_tokens", drafts, V)), dev)
+    how = _strategy(strategy, link, shard, lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask,
+                                                                    shard))
+    if how == "gather":
+        x, *rest = _gathered(shard, target_logits, vocab_mask, q)
+        mask = rest.pop(0) if vocab_mask is not None else None
+        return _chain.verify_chain_from_logits(x, draft_tokens, params, draft_probs=rest[0] if rest else None,
+                                               num_drafts=num_drafts, method=method, rng=rng, vocab_mask=mask)
+    x = _masked(target_logits, vocab_mask)
     usable = (drafts >= 0) & (drafts < V) & (torch.arange(K, device=dev) < n_max[:, None])
-    vocab = ShardVocab(shard)
-    if method == "greedy" or method == "target_only" and _greedy(params):
-        c = _chain.ChainInputs(B, K, V, "greedy", drafts.clamp(0, V - 1), drafts, usable, n_max, None, vocab)
+    c = _chain.ChainInputs(B, K, V, "greedy" if greedy else method, drafts.clamp(0, V - 1), drafts, usable, n_max, q)
+    if greedy:
         return _chain.verify_greedy(c, shard_argmax(x, shard)[0])
-    _sampled_needs_philox(op, rng)
-    c = _chain.ChainInputs(B, K, V, method, drafts.clamp(0, V - 1), drafts, usable, n_max, q, vocab)
-    target = process_shard(x.reshape(B * K1, shard.size).float(), _rows(op, params, B, K1, dev, full), vocab)
-    res = _chain._verify(c, target, None, rng, op)
-    res.expected_accepted  # noqa: B018 (its collectives now, on every rank: a rank reading it alone would wait)
-    return res
-
-
-class _ShardRows(walks.TargetRows):
-    """The target rows a walk visits, processed on the shards (logits already masked)."""
-
-    def __init__(self, logits: Tensor, rp, vocab: ShardVocab):
-        super().__init__(logits=logits, rp=rp)
-        self.vocab = vocab
-
-    def at(self, b: Tensor, node: Tensor):
-        flat = self._flat(b, node)
-        return process_shard(self._logits(b, node, flat), self.rp.take(flat), self.vocab)
+    u_draw = uniform(rng, op, B, K1, STREAM_SAMPLE, dev)
+    u_accept = uniform(rng, op, B, K1, STREAM_ACCEPT, dev) if method in ("token", "block") else None
+    if B == 0:
+        return _chain._result(c, torch.zeros(0, dtype=torch.int64, device=dev),
+                              torch.zeros(0, dtype=torch.int64, device=dev), lambda: torch.zeros(0, device=dev))
+    return run(walks.verify_chain(c, x.reshape(B * K1, size).float(), rp, shard, u_draw, u_accept), shard, dev)
 
 
 class _Argmaxes:
@@ -189,39 +238,55 @@ class _Argmaxes:
 def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: TokenTree,
                             params: SamplingParams | None = None, *, draft_probs: Tensor | None = None,
                             method: str = "auto", draft_sampling: str = "iid", rng: Philox | None = None,
-                            vocab_mask: Tensor | None = None, shard: VocabShard,
-                            validate: str = "structure") -> TreeResult:
+                            vocab_mask: Tensor | None = None, shard: VocabShard, validate: str = "structure",
+                            strategy: str = "auto", link: str | cost.Link | None = None) -> TreeResult:
     """:func:`specsampler.verify_tree_from_logits` on shards: target_logits float ``[B, N, shard.size]``,
     draft_tokens integer ``[B, N]`` (global ids), tree a :class:`TokenTree` (the same on every rank); the same
     :class:`TreeResult` on every rank, equal to the one-device op; draft_probs float ``[B, N, shard.size]``;
-    ``rng`` a :class:`Philox` unless every decision is greedy."""
+    ``rng`` a :class:`Philox` unless every decision is greedy. strategy: ``"shard"`` (rounds: docs/design.md),
+    ``"gather"`` or ``"auto"``, as for :func:`sample_from_logits`."""
     op = "parallel.verify_tree_from_logits"
     full = check_mode(op, validate)
-    x = _inputs(op, target_logits, "target_logits", 3, shard, rng, vocab_mask, full)
-    B, N, _ = x.shape
-    dev, V = x.device, shard.vocab_size
+    _inputs(op, target_logits, "target_logits", 3, shard, rng, vocab_mask, strategy, link)
+    B, N, size = target_logits.shape
+    dev, V = target_logits.device, shard.vocab_size
     if not isinstance(tree, TokenTree):
         fail(op, "tree", "a specsampler.TokenTree", type(tree).__name__)
     check_shape(op, "tree.parents", tree.parents, (B, N), "[B, N]")
     check_tensor(op, "draft_tokens", draft_tokens, kind="int", ndim=2)
     check_shape(op, "draft_tokens", draft_tokens, (B, N), "[B, N]")
     check_device(op, "draft_tokens", draft_tokens, dev)
-    if draft_sampling not in ("iid", "without_replacement"):
-        fail(op, "draft_sampling", "one of ('iid', 'without_replacement')", repr(draft_sampling))
+    if draft_sampling not in _tree.DRAFT_SAMPLING:
+        fail(op, "draft_sampling", f"one of {_tree.DRAFT_SAMPLING}", repr(draft_sampling))
     method, q = check_method(op, method, _tree.METHODS, ("rrs", "traversal"), draft_probs,
-                             (B, N, shard.size), "[B, N, shard.size]", dev)
+                             (B, N, size), "[B, N, shard.size]", dev)
+    greedy = method == "greedy" or method == "target_only" and _greedy(params)
+    if not greedy:
+        _sampled_needs_philox(op, rng)
     drafts = draft_tokens.long()
+    rp = _rows(op, params, B, N, dev, full)
     if full:
-        _agreed(op, shard, lambda: check_token_values(op, "draft_tokens", drafts[tree.depth > 0], V), dev)
+        _agreed(op, shard, lambda: (check_logits_values(op, "target_logits", target_logits),
+                                    check_token_values(op, "draft_tokens", drafts[tree.depth > 0], V)), dev)
+    how = _strategy(strategy, link, shard, lambda: cost.tree_plan(method, draft_sampling, greedy, rp, tree,
+                                                                   target_logits, q, vocab_mask, shard))
+    if how == "gather":
+        x, *rest = _gathered(shard, target_logits, vocab_mask, q)
+        mask = rest.pop(0) if vocab_mask is not None else None
+        return _tree.verify_tree_from_logits(x, draft_tokens, tree, params, draft_probs=rest[0] if rest else None,
+                                             method=method, draft_sampling=draft_sampling, rng=rng, vocab_mask=mask)
+    x = _masked(target_logits, vocab_mask)
     usable = (tree.depth > 0) & (drafts >= 0) & (drafts < V)
-    vocab = ShardVocab(shard)
-    if method == "greedy" or method == "target_only" and _greedy(params):
-        c = walks.TreeInputs(B, N, V, "greedy", draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, None,
-                             vocab)
-        path, n, y_out = walks.walk_draws(c, _Argmaxes(shard_argmax(x, shard)[0]), None, op)
+    c = _walks.TreeInputs(B, N, V, "greedy" if greedy else method, draft_sampling, tree, drafts.clamp(0, V - 1),
+                          drafts, usable, q)
+    if greedy:
+        path, n, y_out = _walks.walk_draws(c, _Argmaxes(shard_argmax(x, shard)[0]), None, op)
         return _tree._finish(c, path, n, y_out, n.float())
-    _sampled_needs_philox(op, rng)
-    c = walks.TreeInputs(B, N, V, method, draft_sampling, tree, drafts.clamp(0, V - 1), drafts, usable, q, vocab)
-    rows = _ShardRows(x.float(), _rows(op, params, B, N, dev, full), vocab)
-    path, n, y_out = walks.WALKS[method](c, rows, rng, op)
+    u_draw = uniform(rng, op, B, N, STREAM_SAMPLE, dev)
+    u_accept = uniform(rng, op, B, N, STREAM_ACCEPT, dev) if method in ("rrs", "traversal") else None
+    if B == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return _tree._finish(c, torch.zeros(0, tree.max_depth + 1, dtype=torch.int64, device=dev), empty, empty, None)
+    path, n, y_out = run(walks.verify_tree(c, x.reshape(B * N, size).float(), rp, shard, u_draw, u_accept), shard,
+                         dev)
     return _tree._finish(c, path, n, y_out, None)

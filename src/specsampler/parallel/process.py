@@ -1,68 +1,121 @@
-"""Row processing on vocabulary shards: :func:`process_shard` gives each rank its columns of the processed
-distributions, equal value for value to :func:`specsampler.sampling.processing.process` on the whole rows.
+"""Row processing on vocabulary shards in few rounds: :func:`process` gives each rank its columns of the processed
+distributions, equal value for value to :func:`specsampler.sampling.processing.process` on the whole rows, with the
+probabilities at some global ids on every rank.
 
-Every decision rests on quantities the split does not change: the row maximum and greedy choice (one
-``all_reduce`` of order keys, :mod:`.argmax`), elementwise weights ``exp2(x * c - m * c)`` computed as on one
-device, exact fixed-point masses (:mod:`specsampler.sampling.masses`). By row kind (docs/design.md, "Vocab-parallel"):
-- greedy: one-hot at the greedy choice;
-- top-k: each rank's k best (logit desc, id asc), gathered and merged on every rank (``O(k)`` per row), then cut
-  and normalised as on one device, replicated;
-- top-p alone: the cut's weight found digit by digit in the weights' bit patterns, 6 bits a round (one
-  ``all_reduce`` of ``[r, PIVOTS]`` masses each), then the ties at the cut by id (one ``all_gather`` of tie
-  counts);
-- neither: dense; min-p against the largest weight (one ``all_reduce``); the normalisation by the exact mass.
+Every decision rests on quantities the split does not change: the row maximum (an order key, :mod:`.argmax`),
+elementwise weights ``exp2(x * c - m * c)`` computed as on one device, exact fixed-point masses
+(:mod:`specsampler.sampling.masses`). Rows of each kind run side by side, sharing rounds (docs/design.md,
+"Vocab-parallel"):
+- greedy and top-k rows (1 round): each rank's best candidates, gathered; the one-device filters then run on them,
+  replicated on every rank;
+- temperature and min-p rows (2 rounds): the maximum; then each rank's exact mass (and count) of the kept weights;
+- top-p rows without top-k (:mod:`.nucleus`, usually 2 or 3 rounds).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..params import RowParams
-from ..sampling.filters import _candidate_weights, _cut_candidates, _part_in_id_order, _take_params, _weights
-from ..sampling.masses import divide_by, masses, top_p_target
+from ..sampling.distributions import Part
+from ..sampling.filters import _bounded_part, _weights
+from ..sampling.greedy import nan_as_minus_inf
+from ..sampling.masses import divide_by_, masses
 from ..sampling.processing import _kinds
-from ..sampling.rounding import in_vector_body
 from ..sampling.topk import ordered_prefix
-from .argmax import argmax_keys, decode
-from .vocab import ShardVocab
-
-PIVOTS = 63  # pivots per round of the top-p search: a digit of 6 bits of the weights' patterns per round
-_SHIFTS = (25, 19, 13, 7, 1, 0)  # the digits of a 31-bit pattern, highest first (the last one a bit)
-
-
-class ShardProcessed:
-    """Processed distributions of ``R`` rows, this rank's columns: the interface of
-    :class:`specsampler.sampling.distributions.Processed` that the walks use, over a :class:`ShardVocab`.
-
-    probs: float32 ``[R, shard.size]``; vocab: the shard; fallback: int64 ``[R]``, the draw of a row without
-    mass (0; for a row held as candidates on one device, as top-k rows are, its lowest candidate id)."""
-
-    def __init__(self, probs: Tensor, vocab: ShardVocab, fallback: Tensor):
-        self.probs, self.vocab, self.fallback = probs, vocab, fallback
-        self.num_rows = probs.shape[0]
-
-    def dense(self) -> Tensor:
-        return self.probs
-
-    def select(self, rows: Tensor) -> ShardProcessed:
-        return ShardProcessed(self.probs.index_select(0, rows), self.vocab, self.fallback.index_select(0, rows))
-
-    def sample(self, u: Tensor) -> Tensor:
-        return self.vocab.draw(self.probs, u, self.fallback)
-
-    def prob(self, tokens: Tensor) -> Tensor:
-        return self.vocab.value(self.probs, tokens)
-
-    def top(self, n: int) -> tuple[Tensor, Tensor]:
-        """The ``n`` most likely tokens per row (prob desc, id asc): ids int64 ``[R, n]`` (-1 past the support)
-        and log-probabilities, as :meth:`Processed.top` gives them: each rank's ``n`` best, gathered, merged."""
-        probs, ids = _merge(self.vocab, *_local_best(self.probs, n, self.vocab, 0.0), n)
-        return torch.where(probs > 0, ids, -1), in_vector_body(torch.log, probs)
+from .argmax import argmax_keys
+from .draws import draw, normalised_bounds, owned_values
+from .nucleus import nucleus
+from .rounds import Task, together
+from .rows import Rows, global_top
+from .shard import VocabShard
 
 
-def _local_best(scores: Tensor, n: int, vocab: ShardVocab, pad_value: float) -> tuple[Tensor, Tensor]:
+def process(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Tensor] | None = None,
+            min_candidates: int = 0) -> Task[Rows]:
+    """:func:`specsampler.sampling.processing.process` of logits rows on shards.
+
+    x: float32 ``[R, shard.size]``, masked tokens at -inf; rp: the rows' parameters (the same on every rank); reads:
+    ``(row, id)`` int64 ``[n]`` each, global ids whose processed probabilities every rank learns; min_candidates: as
+    for the one-device op (the top-N log-probabilities).
+    """
+    R, size = x.shape
+    dev = x.device
+    row, ids = reads if reads is not None else (torch.zeros(0, dtype=torch.int64, device=dev),) * 2
+    greedy, bounded, top_p, plain = _kinds(rp.temperature, rp.top_k, rp.top_p, shard.vocab_size, True)
+    groups, tasks = [], []
+    for fn, kind in ((_bounded, bounded), (nucleus, top_p), (_plain, plain)):
+        rows = kind.nonzero()[:, 0]
+        if not rows.numel():
+            continue
+        at = torch.full((R,), -1, dtype=torch.int64, device=dev)
+        at[rows] = torch.arange(rows.numel(), device=dev)
+        mine = at[row] >= 0  # the reads in these rows
+        extra = (greedy[rows], min_candidates) if fn is _bounded else ()
+        groups.append((rows, mine))
+        every = rows.numel() == R
+        tasks.append(fn(x if every else x.index_select(0, rows), rp if every else rp.take(rows), shard,
+                        (at[row[mine]], ids[mine]), *extra))
+    results = yield from together(*tasks)
+    if len(results) == 1 and groups[0][0].numel() == R:  # rows of one kind (the usual case): as they are
+        return results[0] if results[0].part is None else replace(results[0], part_rows=groups[0][0])
+    world = results[0].lo.shape[0] if results else 1
+    out = Rows(torch.zeros(R, size, device=dev), *(torch.zeros(world, R, dtype=torch.float64, device=dev),) * 2,
+               torch.zeros(row.shape, device=dev), None, torch.zeros(0, dtype=torch.int64, device=dev),
+               results[0].layout if results else None)
+    out.hi = out.hi.clone()
+    for res, (rows, mine) in zip(results, groups):
+        out.probs[rows], out.lo[:, rows], out.hi[:, rows], out.read[mine] = res.probs, res.lo, res.hi, res.read
+        if res.part is not None:
+            out.part, out.part_rows = res.part, rows
+    return out
+
+
+def _plain(x: Tensor, rp: RowParams, shard: VocabShard, reads) -> Task[Rows]:
+    """Rows with neither top-k nor top-p: the maximum, then the exact mass of the weights min-p keeps."""
+    row, ids = reads
+    got = yield [argmax_keys(x, shard), x.isnan().any(-1)]
+    _, top = global_top(*got.parts)
+    w = _weights(x, top[:, None], rp.temperature, True, shared=rp.shared is not None)
+    # the largest weight is 1 where the row has mass (exp2(0) at its maximum), on whichever rank holds it
+    w.mul_(w >= rp.min_p[:, None] * torch.isfinite(top).float()[:, None])
+    got = yield [masses(w).sum(-1), (w > 0).sum(-1), owned_values(w, row, ids, shard)]
+    mass, count, at = got.parts
+    total = mass.sum(0)
+    lo, hi = normalised_bounds(mass, count, total)
+    return Rows(divide_by_(w, total[:, None]), lo, hi, divide_by_(at.sum(0), total[row]), None, None, got.layout)
+
+
+def _bounded(x: Tensor, rp: RowParams, shard: VocabShard, reads, greedy: Tensor, min_candidates: int) -> Task[Rows]:
+    """Greedy and top-k rows: every rank's best candidates, gathered; then the one-device filters on them."""
+    row, ids = reads
+    V = shard.vocab_size
+    C = min(V, max(min_candidates, int(torch.where(greedy, 1, rp.top_k).max())))
+    x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)  # the greedy choice never takes a NaN
+    vals, cand = local_best(x, C, shard, float("-inf"))
+    got = yield [vals, cand]
+    allv, alli = merged(*got.parts)
+    part = _bounded_part(None, allv, rp, greedy, True, min_candidates)
+    part = Part(None, alli.gather(1, part.ids), part.probs)
+    r = x.shape[0]
+    probs = torch.zeros_like(x)
+    owned = (part.ids >= shard.start) & (part.ids < shard.end)
+    b, j = owned.nonzero(as_tuple=True)
+    probs[b, part.ids[b, j] - shard.start] = part.probs[b, j]
+    # each rank's exact mass, from the replicated candidates
+    rank_of = got.layout.owner(part.ids)  # [r, C]
+    world = got.layout.starts.numel()
+    mass = torch.zeros(world, r, dtype=torch.float64, device=x.device)
+    mass.index_put_((rank_of.flatten(), torch.arange(r, device=x.device).repeat_interleave(part.ids.shape[1])),
+                    masses(part.probs).flatten(), accumulate=True)
+    read = Part(None, part.ids.index_select(0, row), part.probs.index_select(0, row)).prob(ids)
+    return Rows(probs, mass, mass, read, part, None, got.layout)
+
+
+def local_best(scores: Tensor, n: int, shard: VocabShard, pad_value: float) -> tuple[Tensor, Tensor]:
     """This shard's ``n`` best (score desc, NaN first; id asc) per row, padded with ``pad_value`` at ids past
     ``V``: float32 ``[R, n]`` and global ids int64 ``[R, n]``."""
     R, size = scores.shape
@@ -71,127 +124,67 @@ def _local_best(scores: Tensor, n: int, vocab: ShardVocab, pad_value: float) -> 
         vals, pos = ordered_prefix(scores, k)
     else:
         vals, pos = scores.new_zeros(R, 0), torch.zeros(R, 0, dtype=torch.int64, device=scores.device)
-    pad = n - k
-    ids = pos.to(scores.device) + vocab.shard.start
-    if pad:
-        vals = torch.nn.functional.pad(vals, (0, pad), value=pad_value)
-        extra = vocab.vocab_size + torch.arange(pad, device=scores.device).expand(R, pad)
+    ids = pos.to(scores.device) + shard.start
+    if n > k:
+        vals = torch.nn.functional.pad(vals, (0, n - k), value=pad_value)
+        extra = shard.vocab_size + torch.arange(n - k, device=scores.device).expand(R, n - k)
         ids = torch.cat([ids, extra], 1)
     return vals, ids
 
 
-def _merge(vocab: ShardVocab, vals: Tensor, ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """Every rank's ``n`` best (one ``all_gather`` of values and ids), merged: the ``n`` best of the whole rows
-    in (value desc, NaN first, id asc) order."""
-    both = vocab.all_gather(torch.stack([vals.double(), ids.double()]))  # [world, 2, R, n]; ids < 2**53: exact
-    allv = both[:, 0].permute(1, 0, 2).flatten(1).float()
-    alli = both[:, 1].permute(1, 0, 2).flatten(1).long()
-    by_id = alli.argsort(dim=-1)  # lower ids first: ordered_prefix breaks ties by position
-    allv, alli = allv.gather(1, by_id), alli.gather(1, by_id)
+def merged(vals: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Every rank's candidates (``[world, r, n]`` values and global ids) as rows ``[r, world * n]`` in global id order,
+    so that :func:`ordered_prefix` of them breaks ties by id as on the whole rows."""
+    allv, alli = (t.permute(1, 0, 2).flatten(1) for t in (vals, ids))
+    by_id = alli.argsort(dim=-1)
+    return allv.gather(1, by_id), alli.gather(1, by_id)
+
+
+def sample(rows: Rows, u: Tensor, num_logprobs: int, shard: VocabShard) -> Task[tuple[Tensor, ...]]:
+    """One draw per row by inversion of ``u`` float32 ``[R]``, as :meth:`Processed.sample`, with the tokens'
+    probabilities and (``num_logprobs``) each row's most likely tokens: ids int64 ``[R, n]`` (-1 past the support) and
+    probabilities float32. Greedy and top-k rows locally (replicated); the others in one round (two where a draw's
+    window falls short), the most likely tokens gathered in the first."""
+    R = u.shape[0]
+    dev = u.device
+    tokens = torch.zeros(R, dtype=torch.int64, device=dev)
+    probs = torch.zeros(R, device=dev)
+    top_ids = torch.full((R, num_logprobs), -1, dtype=torch.int64, device=dev)
+    top_probs = torch.zeros(R, num_logprobs, device=dev)
+    held = torch.zeros(R, dtype=torch.bool, device=dev)
+    if rows.part is not None:
+        b = rows.part_rows
+        held[b] = True
+        tokens[b] = rows.part.sample(u[b])
+        probs[b] = rows.part.prob(tokens[b])
+        if num_logprobs:
+            top_probs[b], top_ids[b] = _top_of_part(rows.part, num_logprobs)
+    b = (~held).nonzero()[:, 0]
+    if b.numel():
+        w = rows.probs.index_select(0, b)
+        tasks = [draw(w, u[b], rows.lo[:, b], rows.hi[:, b], rows.layout, shard)]
+        if num_logprobs:
+            tasks.append(_gathered_best(w, num_logprobs, shard))
+        got = yield from together(*tasks)
+        tokens[b], probs[b] = got[0]
+        if num_logprobs:
+            top_probs[b], top_ids[b] = got[1]
+    return tokens, probs, torch.where(top_probs > 0, top_ids, -1), top_probs
+
+
+def _top_of_part(part: Part, n: int) -> tuple[Tensor, Tensor]:
+    """The ``n`` most likely of a candidate part, as :meth:`Part.top` orders them: probabilities and ids."""
+    probs, pos = ordered_prefix(part.probs, n)
+    ids = part.ids.gather(1, pos)
+    if probs.shape[1] < n:
+        probs = torch.nn.functional.pad(probs, (0, n - probs.shape[1]))
+        ids = torch.nn.functional.pad(ids, (0, n - ids.shape[1]), value=-1)
+    return probs, ids
+
+
+def _gathered_best(w: Tensor, n: int, shard: VocabShard) -> Task[tuple[Tensor, Tensor]]:
+    """The ``n`` largest of rows held as shards (value desc, id asc): every rank's ``n`` best, merged. One round."""
+    got = yield list(local_best(w, n, shard, 0.0))
+    allv, alli = merged(*got.parts)
     best, pos = ordered_prefix(allv, n)
-    return best, alli.gather(1, pos.to(alli.device))
-
-
-def process_shard(x: Tensor, rp: RowParams, vocab: ShardVocab) -> ShardProcessed:
-    """:func:`specsampler.sampling.processing.process` of logits rows on shards.
-
-    x: float32 ``[R, shard.size]``, masked tokens at -inf; rp: the rows' parameters (the same on every rank).
-    """
-    R, size = x.shape
-    V, dev = vocab.vocab_size, x.device
-    probs = torch.zeros(R, size, device=dev)
-    # one round: the greedy choice and maximum of each row, and whether it holds a NaN (then, as on one device,
-    # a sampled row has no mass)
-    keys = torch.stack([argmax_keys(x, vocab.shard), x.isnan().any(-1).long()], -1)
-    keys = vocab.all_reduce(keys, dist.ReduceOp.MAX)
-    best, top = decode(keys[:, 0])
-    finite = torch.isfinite(top)
-    greedy, bounded, nucleus, plain = _kinds(rp.temperature, rp.top_k, rp.top_p, V, True)
-    top = torch.where(finite & (keys[:, 1] == 0), top, float("-inf"))[:, None]
-    # greedy rows: one-hot at the choice where the row has mass (its maximum finite, NaN aside)
-    owned = (best >= vocab.shard.start) & (best < vocab.shard.end) & greedy & finite
-    rows = owned.nonzero()[:, 0]
-    probs[rows, best[rows] - vocab.shard.start] = 1.0
-    fallback = torch.where(greedy, best, 0)
-    for kind, fn in ((bounded & ~greedy, _top_k_rows), (nucleus, _nucleus_rows), (plain, _plain_rows)):
-        rows = kind.nonzero()[:, 0]
-        if rows.numel():
-            probs[rows], fallback[rows] = fn(x.index_select(0, rows), top[rows], _take_params(rp, rows), vocab)
-    return ShardProcessed(probs, vocab, fallback)
-
-
-def _top_k_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> tuple[Tensor, Tensor]:
-    """Top-k rows: the k best of the whole rows on every rank, then as on one device (replicated)."""
-    k = int(rp.top_k.max())
-    vals, ids = _merge(vocab, *_local_best(x, k, vocab, float("-inf")), k)
-    w = _candidate_weights(vals, rp.temperature, True)
-    w = torch.where(torch.arange(k, device=x.device) < rp.top_k[:, None], w, 0.0)
-    part = _part_in_id_order(None, ids, _cut_candidates(w, ids, rp))
-    out = torch.zeros_like(x)
-    col = part.ids - vocab.shard.start
-    mine = (col >= 0) & (col < vocab.shard.size)
-    r, j = mine.nonzero(as_tuple=True)
-    out[r, col[r, j]] = part.probs[r, j]
-    return out, part.ids[:, 0]
-
-
-def _normalised(w: Tensor, rp: RowParams, vocab: ShardVocab, m: Tensor | None = None) -> Tensor:
-    """min-p against the row's largest weight (one ``all_reduce``), then divided by the exact mass (from the
-    weights' masses ``m`` where the caller has them)."""
-    if not rp.all_equal("min_p", 0):
-        w_max = vocab.all_reduce(w.amax(-1, keepdim=True) if w.shape[1] else w.new_zeros(w.shape[0], 1),
-                                 dist.ReduceOp.MAX)
-        w = w * (w >= rp.min_p[:, None] * w_max)
-    if m is None:
-        return vocab.normalise(w)
-    return divide_by(w, vocab.all_reduce(torch.where(w > 0, m, 0.0).sum(-1, keepdim=True)))
-
-
-def _plain_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> tuple[Tensor, Tensor]:
-    fallback = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
-    return _normalised(_weights(x, top, rp.temperature, True), rp, vocab), fallback
-
-
-def _nucleus_rows(x: Tensor, top: Tensor, rp: RowParams, vocab: ShardVocab) -> tuple[Tensor, Tensor]:
-    """Top-p rows without top-k: the smallest prefix of the (weight desc, id asc) order whose exact mass
-    reaches ``ceil(top_p * Z)``, found by a search over the weights' bit patterns (monotone in the weight)."""
-    w = _weights(x, top, rp.temperature, True)
-    m = masses(w)
-    z = vocab.all_reduce(m.sum(-1))
-    target = top_p_target(rp.top_p, z)
-    key = w.view(torch.int32)  # weights >= 0: their bit patterns order as they do
-    r = x.shape[0]
-    # the cut's key: the largest with at least the target above it, found digit by digit (6 bits a round, from
-    # the top of the 31-bit patterns): lo holds it so far (mass above lo >= target), mass_hi is the mass above
-    # the next value of the current digit
-    lo = torch.zeros(r, dtype=torch.int32, device=x.device)
-    mass_hi = torch.zeros(r, dtype=torch.float64, device=x.device)
-    row, k, mk = None, key, m  # the first round reads the rows whole; then the tokens in lo's range, flat
-    for shift in _SHIFTS:
-        digit = ((k if row is None else k - lo[row]) >> shift).long()
-        hist = torch.zeros(r, PIVOTS + 1, dtype=torch.float64, device=x.device)
-        if row is None:
-            hist.scatter_add_(1, digit, mk)
-        else:
-            hist.index_put_((row, digit), mk, accumulate=True)
-        # the mass at or above lo + (j << shift), j = 1..63
-        above = vocab.all_reduce(hist.flip(-1).cumsum(-1).flip(-1)[:, 1:]) + mass_hi[:, None]
-        d = (above >= target[:, None]).sum(-1)  # a prefix of the j (the mass falls with the key): the digit
-        mass_hi = torch.where(d < PIVOTS, above.gather(1, d.clamp(max=PIVOTS - 1)[:, None])[:, 0], mass_hi)
-        if row is None:
-            row = torch.arange(r, device=x.device)[:, None].expand_as(k)
-        inside = digit == d[row]
-        row, k, mk = row[inside], k[inside], mk[inside]
-        lo += (d << shift).to(torch.int32)
-    # the tokens above the cut's key are kept; of those at it (equal weights, equal masses), the first in id order
-    # while the mass before them is below the target
-    tie_mass = masses(lo.view(torch.float32)).long()  # exact integers: int64 for the division
-    gap = (target - mass_hi).long()
-    n_ties = torch.where(tie_mass > 0, (gap + tie_mass - 1) // tie_mass.clamp(min=1), 0)
-    ties = key == lo[:, None]
-    counts = vocab.all_gather(torch.stack([ties.sum(-1), torch.full_like(lo, vocab.shard.start)]))  # [world, 2, r]
-    before = torch.where(counts[:, 1] < vocab.shard.start, counts[:, 0], 0).sum(0)
-    tie_rank = ties.long().cumsum(-1)  # 1 for the first tie of this shard
-    keep = (key > lo[:, None]) | (ties & (tie_rank <= (n_ties - before)[:, None]))
-    keep &= (z > 0)[:, None]
-    return _normalised(torch.where(keep, w, 0.0), rp, vocab, m), torch.zeros_like(z, dtype=torch.int64)
+    return best, alli.gather(1, pos)

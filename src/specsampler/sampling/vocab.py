@@ -1,7 +1,7 @@
 """The vocabulary a batch of rows covers, and the row operations that depend on it: sums (exact masses), values
 at token ids, draws by inversion. :class:`Vocab` is the whole vocabulary on one device; the walks of the
-verification methods call only these, so that :class:`specsampler.parallel.ShardVocab` (rows holding a shard,
-the same operations over ``torch.distributed``) runs the same walks on vocabulary shards."""
+verification methods call only these row operations (the vocabulary-parallel ops run their own walks over
+shards, in few collective rounds: :mod:`specsampler.parallel.walks`)."""
 
 from __future__ import annotations
 

@@ -148,20 +148,30 @@ def _p_x(c: ChainInputs, target: Processed) -> Tensor:
 def _block_terms(c: ChainInputs, target: Processed, p_x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Block verification's ``a`` ``[B, K+1]``, dense ``p`` ``[B, K+1, V]``, ``w = max(a p - q, 0)``
     ``[B, K, V]`` and ``h`` ``[B, K+1]`` (0 past ``num_drafts``, ``a`` at it, ``h_0 = 1``)."""
-    B, K, dev = c.B, c.K, c.x.device
-    q_x = c.q_x()
-    a = torch.ones(B, K + 1, device=dev)
-    for i in range(K):
+    a = block_a(c, p_x, c.q_x())
+    p = target.dense().unflatten(0, (c.B, c.K + 1))
+    w = (a[:, :c.K, None] * p[:, :c.K] - c.q).clamp_(min=0.0)
+    return a, p, w, block_h(c, a, as_weight(c.vocab.mass(w)))
+
+
+def block_a(c: ChainInputs, p_x: Tensor, q_x: Tensor) -> Tensor:
+    """Block verification's ``a`` float32 ``[B, K+1]`` from the drafts' target and draft probabilities ``[B, K]``."""
+    a = torch.ones(c.B, c.K + 1, device=c.x.device)
+    for i in range(c.K):
         a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
-    p = target.dense().unflatten(0, (B, K + 1))
-    w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0)
-    s = as_weight(c.vocab.mass(w))
-    pos = torch.arange(K + 1, device=dev)
+    return a
+
+
+def block_h(c: ChainInputs, a: Tensor, s: Tensor) -> Tensor:
+    """Block verification's ``h`` float32 ``[B, K+1]`` from ``a`` and the residuals' masses as weights ``s``
+    ``[B, K]``."""
+    K = c.K
+    pos = torch.arange(K + 1, device=a.device)
     # a_i = 0 (draft x_{i-1} never accepted) keeps h_i = 0 even where bad values (q < 0) give w_i mass
     h = torch.nn.functional.pad(torch.where((s > 0) & (a[:, :K] > 0), s / (s + 1 - a[:, :K]), 0.0), (0, 1))
     h = torch.where(pos == c.num_drafts[:, None], a, torch.where(pos > c.num_drafts[:, None], 0.0, h))
     h[:, 0] = 1.0
-    return a, p, w, h
+    return h
 
 
 def _expected(c: ChainInputs, target: Processed | None, n: Tensor) -> Tensor:
@@ -169,12 +179,15 @@ def _expected(c: ChainInputs, target: Processed | None, n: Tensor) -> Tensor:
     if c.method == "greedy":
         return n.float()
     p_x = _p_x(c, target)
-    if c.method == "target_only":
-        return torch.where(c.usable, p_x, 0.0).cumprod(1).sum(1)
-    if c.method == "token":
-        q_x = c.q_x()
-        return torch.where(c.usable, _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
-    return _block_expected(_block_terms(c, target, p_x)[3])
+    if c.method == "block":
+        return _block_expected(_block_terms(c, target, p_x)[3])
+    return expected_of(c, p_x, c.q_x() if c.method == "token" else None)
+
+
+def expected_of(c: ChainInputs, p_x: Tensor, q_x: Tensor | None) -> Tensor:
+    """token's (``q_x`` given) or target_only's expected accepted drafts from the drafts' target (and draft)
+    probabilities float32 ``[B, K]``."""
+    return torch.where(c.usable, p_x if q_x is None else _ratio(p_x, q_x), 0.0).cumprod(1).sum(1)
 
 
 def _block_expected(h: Tensor) -> Tensor:

@@ -1,0 +1,37 @@
+"""The ``gather`` strategy's collective: the whole rows of tensors held as vocabulary shards, on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .rounds import exchange
+from .shard import VocabShard
+
+
+def whole_rows(shard: VocabShard, tensors: list[Tensor]) -> list[Tensor]:
+    """Each of ``tensors`` (``[..., shard.size]``, any dtype, the same shapes on every rank) as its whole rows
+    ``[..., V]`` (global ids), on every rank: one round when no shard holds more than ``ceil(V / world)`` ids (as
+    :meth:`VocabShard.even` splits), the columns past that in a second round otherwise."""
+    per = -(-shard.vocab_size // dist.get_world_size(shard.group))
+    got = exchange(shard, [_columns(t, 0, per) for t in tensors])
+    sizes = got.layout.sizes
+    parts = [[p] for p in got.parts]
+    if bool((sizes > per).any()):  # an uneven split: the rest of the longer shards
+        more = int(sizes.max()) - per
+        extra = exchange(shard, [_columns(t, per, more) for t in tensors])
+        for p, e in zip(parts, extra.parts):
+            p.append(e)
+    order = torch.argsort(got.layout.starts).tolist()
+    out = []
+    for p in parts:
+        cols = torch.cat(p, -1)  # [world, ..., columns sent]
+        out.append(torch.cat([cols[r, ..., : int(sizes[r])] for r in order], -1))
+    return out
+
+
+def _columns(t: Tensor, start: int, n: int) -> Tensor:
+    """Columns ``[start, start + n)`` of ``t``, padded with zeros past its last."""
+    part = t[..., start:start + n]
+    return torch.nn.functional.pad(part, (0, n - part.shape[-1]))

@@ -1,0 +1,350 @@
+"""Chain and tree verification on vocabulary shards in few rounds: every row the walk may need is processed in the
+same rounds, every value a decision reads rides in a round already taken, and each sequence of renormalisations
+(a node's residuals, one per rejected child) advances one step per round for all nodes at once, ahead of the walk
+(docs/design.md, "Vocab-parallel"). The formulas and random numbers are the one-device walks'
+(:mod:`specsampler.verify.chain`, :mod:`specsampler.verify.walks`), and so are the arithmetic and the results.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..params import RowParams
+from ..sampling.masses import as_weight, divide_by, masses
+from ..verify.chain import (
+    ChainInputs,
+    ChainResult,
+    _block_expected,
+    _leading_run,
+    _result,
+    block_a,
+    block_h,
+    expected_of,
+)
+from ..verify.walks import TreeInputs, _ratio, walk_draws
+from .draws import draw, exact_masses, local, normalised_bounds, owned_values, read
+from .process import process, sample
+from .rounds import Task, together
+from .shard import VocabShard
+
+
+def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_draw: Tensor,
+                 u_accept: Tensor | None) -> Task[ChainResult]:
+    """Sampled chain verification (``token``, ``block``, ``target_only``) of logits ``x`` float32 ``[B * (K+1),
+    shard.size]`` with the rows' parameters ``rp``; u_draw, u_accept: float32 ``[B, K+1]``, the streams' uniforms."""
+    B, K = c.B, c.K
+    dev = x.device
+    batch = torch.arange(B, device=dev)
+    drafts = c.x.reshape(-1)
+    at_draft = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)  # the rows of positions < K
+    steps = [process(x, rp, shard, (at_draft, drafts))]
+    if c.q is not None:
+        steps.append(read([c.q.flatten(0, 1)], torch.arange(B * K, device=dev), drafts, shard))
+    target, *q_read = yield from together(*steps)
+    p_x = target.read.view(B, K)
+    if c.method == "target_only":
+        draws = (yield from sample(target, u_draw.reshape(-1), 0, shard))[0].view(B, K + 1)
+        n = _leading_run((draws[:, :K] == c.x) & c.usable)
+        return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: expected_of(c, p_x, None))
+    q_x = q_read[0][0].view(B, K)
+    p = target.probs.view(B, K + 1, -1)
+    if c.method == "token":
+        n = _leading_run((u_accept[:, 1:] * q_x < p_x) & c.usable)
+        stop = batch * (K + 1) + n
+        w, lo, hi = p.flatten(0, 1)[stop], target.lo[:, stop], target.hi[:, stop]
+        rejected = n < c.num_drafts
+        if K and bool(rejected.any()):  # the residual max(p - q, 0) where a draft was rejected
+            q = c.q.flatten(0, 1)[batch * K + n.clamp(max=K - 1)]
+            residual = (w - q * rejected[:, None]).clamp_(min=0.0)
+            mass, _ = yield from exact_masses(residual)
+            empty = rejected & (mass.sum(0) == 0)  # a residual without mass: draw from p itself
+            w = torch.where(empty[:, None], w, residual)
+            lo, hi = torch.where(empty[None], lo, mass), torch.where(empty[None], hi, mass)
+        y, _ = yield from draw(w, u_draw.gather(1, n[:, None])[:, 0], lo, hi, target.layout, shard)
+        return _result(c, n, y, lambda: expected_of(c, p_x, q_x))
+    # block
+    a = block_a(c, p_x, q_x)
+    w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0).flatten(0, 1)
+    mass = (yield from exact_masses(w))[0] if K else w.new_zeros(target.lo.shape[0], 0, dtype=torch.float64)
+    h = block_h(c, a, as_weight(mass.sum(0)).view(B, K))
+    pos = torch.arange(K + 1, device=dev)
+    tau = torch.where((u_accept < h) | (pos == 0), pos, 0).amax(1)
+    bonus = batch * (K + 1) + tau
+    stop, lo, hi = p.flatten(0, 1)[bonus], target.lo[:, bonus], target.hi[:, bonus]
+    if K:  # the residual w_tau where tau < num_drafts and it has mass
+        at = batch * K + tau.clamp(max=K - 1)
+        residual = (tau < c.num_drafts) & (mass.sum(0)[at] > 0)
+        stop = torch.where(residual[:, None], w[at], stop)
+        lo, hi = (torch.where(residual[None], mass[:, at], t) for t in (lo, hi))
+    y, _ = yield from draw(stop, u_draw.gather(1, tau[:, None])[:, 0], lo, hi, target.layout, shard)
+    return _result(c, tau, y, lambda: _block_expected(h))
+
+
+def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_draw: Tensor,
+                u_accept: Tensor | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
+    """Sampled tree verification (``target_only``, ``rrs``, ``traversal``) of logits ``x`` float32 ``[B * N,
+    shard.size]`` (rows of absent nodes unread); u_draw, u_accept: float32 ``[B, N]``. Returns the walk's path
+    ``[B, D+1]``, accepted counts and emitted tokens, as :data:`specsampler.verify.walks.WALKS`."""
+    t = c.tree
+    present = (t.depth >= 0).reshape(-1).nonzero()[:, 0]
+    row_of = torch.full((c.B * c.N,), -1, dtype=torch.int64, device=x.device)
+    row_of[present] = torch.arange(present.numel(), device=x.device)
+    nodes = _Nodes(c, row_of.view(c.B, c.N))
+    if c.method == "target_only":  # a draw at every node, then the walk along them
+        target = yield from process(x[present], rp.take(present), shard)
+        drawn = (yield from sample(target, u_draw.reshape(-1)[present], 0, shard))[0]
+        y = torch.zeros(c.B * c.N, dtype=torch.int64, device=x.device)
+        y[present] = drawn
+        return walk_draws(c, _Drawn(y.view(c.B, c.N)), None, "", lambda stream, count: u_draw)
+    # the target at every node, read at its first child's token; every child's draft probability at its token
+    child = (t.depth > 0).nonzero(as_tuple=True)
+    kid = t.first_child[nodes.b, nodes.v]
+    target, (q_x,) = yield from together(
+        process(x[present], rp.take(present), shard, (nodes.row(nodes.b, nodes.v), c.x[nodes.b, kid])),
+        read([c.q.flatten(0, 1)], child[0] * c.N + child[1], c.x[child], shard))
+    q_at = torch.zeros(c.B, c.N, device=x.device)
+    q_at[child] = q_x
+    walk = _rrs if c.method == "rrs" else _traversal
+    return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept))
+
+
+class _Drawn:
+    """The walk's view of the target rows when their draws are known: ``at(b, v).sample(u)`` is the draw
+    ``[B, N]`` at ``(b, v)``."""
+
+    def __init__(self, y: Tensor):
+        self.y = y
+
+    def at(self, b: Tensor, node: Tensor):
+        return _Fixed(self.y[b, node])
+
+
+class _Fixed:
+    def __init__(self, y: Tensor):
+        self.y = y
+
+    def sample(self, u: Tensor) -> Tensor:
+        return self.y
+
+
+class _Nodes:
+    """The nodes with children (``b``, ``v`` int64 ``[s]``: the states walks update), their children in sibling order
+    (``kids`` ``[s, max_children]``, -1 past the last), and each present node's processed row."""
+
+    def __init__(self, c: TreeInputs, row_of: Tensor):
+        t = c.tree
+        self.row_of = row_of
+        self.b, self.v = (t.first_child >= 0).nonzero(as_tuple=True)
+        kid = t.first_child[self.b, self.v]
+        kids = []
+        for _ in range(max(t.max_children, 1)):
+            kids.append(kid)
+            kid = torch.where(kid >= 0, t.next_sibling[self.b, kid.clamp(min=0)], -1)
+        self.kids = torch.stack(kids, 1)
+        self.slot = torch.full_like(row_of, -1)
+        self.slot[self.b, self.v] = torch.arange(self.b.numel(), device=row_of.device)
+
+    def row(self, b: Tensor, v: Tensor) -> Tensor:
+        return self.row_of[b, v]
+
+
+def _residual_round(w: Tensor, zeroed: Tensor | None, at: list[Tensor], shard: VocabShard) -> Task[list[Tensor]]:
+    """One round of a sequence of renormalisations: every rank's exact mass and count of rows ``w`` ``[a, size]``
+    (``[world, a]``), the total mass of ``zeroed`` rows (``[a]``, or None), and the values of ``(rows, ids)`` pairs
+    ``at`` (each ``[a, size]`` rows then ``ids`` ``[a]`` global, -1 for none) on every rank."""
+    ids = at[-1]
+    row = torch.arange(ids.numel(), device=w.device)
+    values = [owned_values(r, row, ids.clamp(min=0), shard) * (ids >= 0) for r in at[:-1]]
+    sent = [masses(w).sum(-1), (w > 0).sum(-1)] + ([] if zeroed is None else [masses(zeroed).sum(-1)]) + values
+    got = yield sent
+    out = got.parts[:2] + [p.sum(0) for p in got.parts[2:]]
+    return out
+
+
+def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Task[tuple[Tensor, Tensor, Tensor]]:
+    """Recursive rejection sampling: each node's residuals (one per rejected child, in sibling order) advance one
+    a round for every node at once, the value each child is tested against riding in the round before; then the
+    walk, and one draw."""
+    B, N, dev = c.B, c.N, q_at.device
+    wo = c.sampling == "without_replacement"
+    b, kids = nodes.b, nodes.kids
+    r = target.probs[nodes.row(b, nodes.v)]  # each node's current residual, updated in place
+    lo, hi = target.lo[:, nodes.row(b, nodes.v)], target.hi[:, nodes.row(b, nodes.v)]
+    q_state = c.q[b, kids[:, 0]] if wo else None  # without replacement: the siblings' shared q
+    test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
+    test_r[b, kids[:, 0]] = target.read
+    test_q = q_at.clone()
+    for k in range(kids.shape[1]):
+        act = (kids[:, k] >= 0).nonzero()[:, 0]
+        if not act.numel():  # no node has children
+            break
+        ba, ck = b[act], kids[act, k]
+        nxt = kids[act, k + 1] if k + 1 < kids.shape[1] else torch.full_like(ck, -1)
+        x_k, x_n = c.x[ba, ck], torch.where(nxt >= 0, c.x[ba, nxt.clamp(min=0)], -1)
+        q = q_state[act] if wo else c.q[ba, ck]
+        residual = (r[act] - q).clamp_(min=0.0)
+        zeroed = _zero_at(q, x_k, shard) if wo else None
+        mass, count, *rest = yield from _residual_round(residual, zeroed, [r[act], q, x_n], shard)
+        q_mass, r_n, q_n = rest if wo else (None, *rest)
+        total = mass.sum(0)
+        r[act] = torch.where(total[:, None] > 0, divide_by(residual, total[:, None]), r[act])
+        new_lo, new_hi = normalised_bounds(mass, count, total)
+        lo[:, act] = torch.where(total[None] > 0, new_lo, lo[:, act])
+        hi[:, act] = torch.where(total[None] > 0, new_hi, hi[:, act])
+        if wo:
+            q_state[act] = divide_by(zeroed, q_mass[:, None])
+        more = nxt >= 0
+        test_r[ba[more], nxt[more]] = torch.where(total > 0, divide_by((r_n - q_n).clamp(min=0.0), total), r_n)[more]
+        if wo:
+            test_q[ba[more], nxt[more]] = divide_by(torch.where(x_n == x_k, 0.0, q_n), q_mass)[more]
+    ok = c.usable & (u_accept * test_q < test_r)
+    path, n, stop = _walk_down(c, ok)
+    batch = torch.arange(B, device=dev)
+    slot = nodes.slot[batch, stop]
+    row = nodes.row(batch, stop)
+    inner = slot >= 0
+    w = torch.where(inner[:, None], r[slot.clamp(min=0)], target.probs[row])
+    lo = torch.where(inner[None], lo[:, slot.clamp(min=0)], target.lo[:, row])
+    hi = torch.where(inner[None], hi[:, slot.clamp(min=0)], target.hi[:, row])
+    y, _ = yield from draw(w, u_draw[batch, stop], lo, hi, target.layout, shard)
+    return path, n, y
+
+
+def _zero_at(w: Tensor, ids: Tensor, shard: VocabShard) -> Tensor:
+    """``w`` ``[a, size]`` with 0 at global ids ``[a]`` this rank holds (a new tensor)."""
+    owned, col = local(ids, shard)
+    if not shard.size:
+        return w.clone()
+    return w.scatter(1, col[:, None], torch.where(owned[:, None], 0.0, w.gather(1, col[:, None])))
+
+
+def _walk_down(c, ok: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """From the root, to the first child (sibling order) whose test passed (``ok`` bool ``[B, N]``), until none
+    does: the path ``[B, D+1]``, its length and the node where it stops."""
+    t = c.tree
+    B, N, D, dev = c.B, c.N, t.max_depth, ok.device
+    big = N + 1
+    rank = torch.where(ok & (t.depth > 0), t.sibling_rank, big)
+    best = torch.full((B, N), big, dtype=torch.int64, device=dev).scatter_reduce_(
+        1, t.parents.clamp(min=0), rank, "amin")
+    chosen = torch.full((B, N), -1, dtype=torch.int64, device=dev)
+    first = (rank < big) & (rank == best.gather(1, t.parents.clamp(min=0)))
+    bb, cc = first.nonzero(as_tuple=True)
+    chosen[bb, t.parents[bb, cc]] = cc
+    path = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)
+    path[:, 0] = 0
+    at = torch.zeros(B, dtype=torch.int64, device=dev)
+    n = torch.zeros(B, dtype=torch.int64, device=dev)
+    batch = torch.arange(B, device=dev)
+    for d in range(D):
+        nxt = chosen[batch, at]
+        moved = nxt >= 0
+        path[moved, d + 1] = nxt[moved]
+        at = torch.where(moved, nxt, at)
+        n += moved.long()
+    return path, n, at
+
+
+def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Task[tuple[Tensor, Tensor, Tensor]]:
+    """Traversal verification: a node's state after each deletion of a child (``Mb``, ``a``, and without replacement
+    ``Ms``) depends on the tree alone, not on the draws; so every node's states advance one a round, all nodes at
+    once, each child pushed (its ``a``) as soon as its parent's state before it is known. Then the first node in
+    post-order whose test passes (the order the one-device walk tests them in) is accepted, and one draw."""
+    t, B, N, dev = c.tree, c.B, c.N, q_at.device
+    wo = c.sampling == "without_replacement"
+    b, v, kids = nodes.b, nodes.v, nodes.kids
+    rows = nodes.row(b, v)
+    mb, lo, hi = target.probs[rows], target.lo[:, rows], target.hi[:, rows]
+    ms = c.q[b, kids[:, 0]] if wo else None  # all children of a node share its q
+    a = torch.zeros(B, N, device=dev)
+    done = torch.full((B, N), -1, dtype=torch.int64, device=dev)  # children deleted so far; -1: not pushed
+    a[:, 0], done[:, 0] = 1.0, 0
+    mb_x = torch.zeros(B, N, device=dev)  # what each child's push reads: Mb and Ms (q) of its parent at its token
+    mb_x[b, kids[:, 0]] = target.read
+    q_x = q_at.clone()
+
+    def descend(bb: Tensor, cc: Tensor) -> None:
+        """Push children ``cc`` of requests ``bb``, then down their first children to a leaf."""
+        while cc.numel():
+            ratio = _ratio(a[bb, t.parents[bb, cc]] * mb_x[bb, cc], q_x[bb, cc])
+            a[bb, cc] = torch.where(c.usable[bb, cc], ratio, 0.0)
+            done[bb, cc] = 0
+            kid = t.first_child[bb, cc]
+            bb, cc = bb[kid >= 0], kid[kid >= 0]
+
+    first = t.first_child[:, 0]
+    descend(torch.arange(B, device=dev)[first >= 0], first[first >= 0])
+    m = (kids >= 0).sum(1)
+    while True:
+        j = done[b, v]
+        act = ((j >= 0) & (j < m)).nonzero()[:, 0]
+        if not act.numel():
+            break
+        ba, va, j = b[act], v[act], j[act]
+        ck = kids[act, j]
+        nxt = torch.where(j + 1 < kids.shape[1], kids[act, (j + 1).clamp(max=kids.shape[1] - 1)], -1)
+        x_k, x_n = c.x[ba, ck], torch.where(nxt >= 0, c.x[ba, nxt.clamp(min=0)], -1)
+        a_u = a[ba, va]
+        q = ms[act] if wo else c.q[ba, ck]
+        w = (a_u[:, None] * mb[act] - q).clamp_(min=0.0)
+        zeroed = _zero_at(q, x_k, shard) if wo else None
+        mass, count, *rest = yield from _residual_round(w, zeroed, [w, mb[act]] + ([q] if wo else []) + [x_n], shard)
+        q_mass, w_n, mb_n, ms_n = rest if wo else (None, *rest, None)
+        total = mass.sum(0)
+        s = as_weight(total)
+        mb[act] = torch.where(total[:, None] > 0, divide_by(w, total[:, None]), mb[act])
+        # a = 0 (a node never accepted) stays 0, even where bad values (q < 0) give w mass
+        a[ba, va] = torch.where((total > 0) & (a_u > 0), s / (s + 1 - a_u), 0.0)
+        done[ba, va] = j + 1
+        new_lo, new_hi = normalised_bounds(mass, count, total)
+        lo[:, act] = torch.where(total[None] > 0, new_lo, lo[:, act])
+        hi[:, act] = torch.where(total[None] > 0, new_hi, hi[:, act])
+        if wo:
+            ms[act] = divide_by(zeroed, q_mass[:, None])
+        more = nxt >= 0
+        mb_x[ba[more], nxt[more]] = torch.where(total > 0, divide_by(w_n, total), mb_n)[more]
+        if wo:
+            q_x[ba[more], nxt[more]] = divide_by(torch.where(x_n == x_k, 0.0, ms_n), q_mass)[more]
+        descend(ba[more], nxt[more])
+    # the first node in post-order whose test passes (the root always does)
+    passed = (t.depth == 0) | ((t.depth > 0) & (u_accept < a))
+    leaf = torch.where(passed, _post_order(t), N * N).argmin(-1)
+    batch = torch.arange(B, device=dev)
+    slot, row = nodes.slot[batch, leaf], nodes.row(batch, leaf)
+    inner = slot >= 0
+    w = torch.where(inner[:, None], mb[slot.clamp(min=0)], target.probs[row])
+    lo = torch.where(inner[None], lo[:, slot.clamp(min=0)], target.lo[:, row])
+    hi = torch.where(inner[None], hi[:, slot.clamp(min=0)], target.hi[:, row])
+    y, _ = yield from draw(w, u_draw[batch, leaf], lo, hi, target.layout, shard)
+    n = t.depth[batch, leaf]
+    path = torch.full((B, t.max_depth + 1), -1, dtype=torch.int64, device=dev)
+    node = leaf
+    for i in range(t.max_depth + 1):
+        at = n - i
+        path[at >= 0, at.clamp(min=0)[at >= 0]] = node[at >= 0]
+        node = t.parents[batch, node.clamp(min=0)]
+    return path, n, y
+
+
+def _post_order(t) -> Tensor:
+    """int64 ``[B, N]``: each present node's place in post-order (children in sibling order, then the node): the
+    subtree sizes of its earlier siblings and of its ancestors' earlier siblings, plus its own subtree's less one."""
+    B, N = t.parents.shape
+    present = t.depth >= 0
+    parent = t.parents.clamp(min=0)
+    size = present.long()
+    for d in range(t.max_depth, 0, -1):
+        size.scatter_add_(1, parent, torch.where(t.depth == d, size, 0))
+    earlier = torch.zeros_like(size)  # the subtree sizes of the earlier siblings
+    kid, acc = t.first_child, torch.zeros_like(size)
+    batch = torch.arange(B, device=size.device)[:, None].expand(B, N)
+    for _ in range(max(t.max_children, 1)):
+        has = kid >= 0
+        earlier[batch[has], kid[has]] = acc[has]
+        acc = acc + torch.where(has, size.gather(1, kid.clamp(min=0)), 0)
+        kid = torch.where(has, t.next_sibling.gather(1, kid.clamp(min=0)), -1)
+    before = earlier.clone()
+    for d in range(1, t.max_depth + 1):
+        before = torch.where(t.depth == d, earlier + before.gather(1, parent), before)
+    return before + size - 1
