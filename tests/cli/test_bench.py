@@ -17,7 +17,8 @@ def test_bench_writes_records_with_the_documented_fields(tmp_path):
     records = run("cpu", reps=1, quick=True, out=str(out))
     assert json.loads(out.read_text()) == records
     assert [r["op"] for r in records] == ["chain_verify", "sample_from_logits", "sample_from_logits",
-                                          "tree_verify_from_logits"]
+                                          "sample_from_logits", "tree_verify_from_logits"]
+    assert "softmax_multinomial" in records[1]["baselines"]  # plain sampling against what PyTorch users write
     for r in records:
         for key in ("device", "dtype", "shape", "median_us", "bytes_read", "gbps", "floor_ratio", "baselines", "met"):
             assert key in r, key
@@ -145,7 +146,7 @@ def test_bench_generate_reports_wall_forward_and_library_time_per_method(tmp_pat
     out = tmp_path / "generate.json"
     report = run_generate("cpu", reps=1, quick=True, out=str(out))
     assert json.loads(out.read_text()) == report
-    assert report["threads"] == 1 and report["library_share_target"] == 0.15
+    assert report["threads"] == 1 and report["library_share_target"] == 0.30
     records = report["records"]
     assert [(r["method"], r["B"]) for r in records] == [(label, B) for B in (1, 3) for label, _ in RUNS]
     for r in records:
@@ -154,6 +155,8 @@ def test_bench_generate_reports_wall_forward_and_library_time_per_method(tmp_pat
         assert r["new_tokens"] == 24 * r["B"]
     plain = [r for r in records if r["settings"] is None]
     assert [r["speedup"] for r in plain] == [1.0, 1.0] and all(r["steps"] == 24 for r in plain)
-    assert all("met" in r for r in records if r["B"] == 1 and r["settings"] is not None)
+    for r in records:
+        if r["B"] == 1 and r["settings"] is not None:  # met: a small library share, and no slower than plain
+            assert r["met"] == (r["library_share"] <= 0.30 and r["speedup"] >= 1.0)
     text = capsys.readouterr().out
     assert "library ms/step" in text and "n-gram lookup" in text
