@@ -189,9 +189,7 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
         q_mass, r_n, q_n = rest if wo else (None, *rest)
         total = mass.sum(0)
         r[act] = torch.where(total[:, None] > 0, divide_by(residual, total[:, None]), r[act])
-        new_lo, new_hi = normalised_bounds(mass, count, total)
-        lo[:, act] = torch.where(total[None] > 0, new_lo, lo[:, act])
-        hi[:, act] = torch.where(total[None] > 0, new_hi, hi[:, act])
+        _renormalised_bounds(lo, hi, act, mass, count, total)
         if wo:
             q_state[act] = divide_by(zeroed, q_mass[:, None])
         more = nxt >= 0
@@ -209,6 +207,14 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
     hi = torch.where(inner[None], hi[:, slot.clamp(min=0)], target.hi[:, row])
     y, _ = yield from draw(w, u_draw[batch, stop], lo, hi, target.layout, shard)
     return path, n, y
+
+
+def _renormalised_bounds(lo: Tensor, hi: Tensor, act: Tensor, mass: Tensor, count: Tensor, total: Tensor) -> None:
+    """Set, in place, the draw bounds ``lo``, ``hi`` of the nodes ``act`` whose residual has mass (``total > 0``)
+    to those of the residual normalised (:func:`~.draws.normalised_bounds`); the others keep theirs."""
+    new_lo, new_hi = normalised_bounds(mass, count, total)
+    lo[:, act] = torch.where(total[None] > 0, new_lo, lo[:, act])
+    hi[:, act] = torch.where(total[None] > 0, new_hi, hi[:, act])
 
 
 def _zero_at(w: Tensor, ids: Tensor, shard: VocabShard) -> Tensor:
@@ -297,9 +303,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
         # a = 0 (a node never accepted) stays 0, even where bad values (q < 0) give w mass
         a[ba, va] = torch.where((total > 0) & (a_u > 0), s / (s + 1 - a_u), 0.0)
         done[ba, va] = j + 1
-        new_lo, new_hi = normalised_bounds(mass, count, total)
-        lo[:, act] = torch.where(total[None] > 0, new_lo, lo[:, act])
-        hi[:, act] = torch.where(total[None] > 0, new_hi, hi[:, act])
+        _renormalised_bounds(lo, hi, act, mass, count, total)
         if wo:
             ms[act] = divide_by(zeroed, q_mass[:, None])
         more = nxt >= 0
