@@ -109,9 +109,9 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
 
     weights: float32 ``[R, C]`` in [0, 1] (need not be normalised); u: float32 ``[R]`` in [0, 1).
     Returns int64 ``[R]`` in ``[0, C)``: never a column without mass when the row has mass; 0 otherwise.
-    Wide rows are located from float32 sums of chunks of 256 columns with a certified error bound, and the
-    exact masses are taken of one chunk per row; a row where the bound leaves two columns possible (or whose
-    values are not all in [0, 1]) is drawn exactly (:func:`_draw_exactly`): the same column either way.
+    Wide rows are located from float32 sums of their masses with a certified error bound, and the exact masses
+    are summed of one chunk of 256 columns per row; a row where the bound leaves two columns possible (or that
+    holds a NaN) is inverted over all its exact masses (:func:`_invert_masses`): the same column either way.
     """
     R, C = weights.shape
     if C == 0 or R == 0:
@@ -138,7 +138,7 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
     """Bounds on the masses of the chunks of 256 columns of each row, from float32 sums of masses.
 
     w: float32 ``[R, C]``. Returns float64 ``lo``, ``hi`` ``[R, ceil(C / 256)]`` (integers, ``lo <= mass <=
-    hi``; both NaN in a row holding a NaN) and the masses float32 ``[R, C]`` (exact integers, NaN where ``w``
+    hi``; NaN for a chunk holding a NaN) and the masses float32 ``[R, C]`` (exact integers, NaN where ``w``
     is; in the named scratch buffer). Each chunk's masses are summed in float32 by groups of 16 values, each sum
     within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
     integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
