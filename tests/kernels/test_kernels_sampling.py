@@ -332,6 +332,17 @@ def test_sample_kernel_draws_the_reference_tokens(V):
         assert (probs[torch.arange(B), tokens][1:] > 0).all()
 
 
+def test_sample_kernel_reads_rows_whose_last_dim_is_strided():
+    # probabilities with their first two dims swapped in memory (a column stride of 3): the kernel steps one
+    # element per token, so such rows are made contiguous first (read in place, it drew tokens of probability 0)
+    g = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(3, 64, generator=g) * 3, -1) * (torch.rand(3, 64, generator=g) < 0.5)
+    swapped = probs.transpose(0, 1).contiguous().transpose(0, 1)
+    assert swapped.stride() == (1, 3)
+    u = torch.rand(3, generator=g)
+    assert torch.equal(sample(swapped, u=u), sample(probs, u=u))
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_sample_kernel_stays_in_range_on_bad_probabilities():
     V = 9

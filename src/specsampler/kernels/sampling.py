@@ -237,8 +237,8 @@ def sample(
     """One categorical draw per row by inversion (the kernel of :func:`specsampler.sample`).
 
     Args:
-        probs: float ``[R, V]``, rows contiguous; non-negative weights, need not be normalised
-            (negative and NaN entries weigh 0: the reference leaves such rows unspecified).
+        probs: float ``[R, V]`` (a last dim that is not contiguous is copied); non-negative weights, need not be
+            normalised (negative and NaN entries weigh 0: the reference leaves such rows unspecified).
         seed, offset, index: int64 ``[R]`` (Philox, as in :func:`sample_from_logits`), or
         u: float32 ``[R]``, precomputed uniforms.
         chunk, num_warps: tuning.
@@ -247,6 +247,7 @@ def sample(
         the last positive weight (0 for a row without mass).
     """
     R, V = probs.shape
+    probs = last_dim_contiguous(probs)  # the kernel steps one element per token
     cfg = row_config(V, chunk=chunk)
     tokens = torch.empty(R, dtype=torch.int64, device=probs.device)
     fscratch = torch.empty(R, 3 * cfg["NCH_P2"], dtype=torch.float32, device=probs.device)  # as row_scratch's
