@@ -249,12 +249,12 @@ def sample_from_logits(
     # rows kept whole (no top-k, no top-p) pass over every value several times: in blocks, from the caches
     step = max(1, _BLOCK_VALUES // max(V, 1)) if dense and x.device.type == "cpu" else max(R, 1)
     if step >= R:
-        blocks = [_sample_rows(x, rp, u, num_logprobs)]
+        tokens, logprobs, top_ids, top_lp = _sample_rows(x, rp, u, num_logprobs)
     else:
         blocks = [_sample_rows(x[s:s + step], rp.take(torch.arange(s, min(R, s + step), device=x.device)),
                                u[s:s + step], num_logprobs) for s in range(0, R, step)]
-    tokens, logprobs, top_ids, top_lp = (torch.cat(parts) if parts[0] is not None else None
-                                         for parts in zip(*blocks))
+        tokens, logprobs, top_ids, top_lp = (torch.cat(parts) if parts[0] is not None else None
+                                             for parts in zip(*blocks))
     if num_logprobs:
         top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
     return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), top_ids, top_lp)
