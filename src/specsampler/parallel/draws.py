@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..sampling.masses import MASS_BITS, draw_target, invert, masses
+from ..sampling.masses import MASS_BITS, draw_target, invert, masses, row_mass
 from .rounds import Layout, Task
 from .shard import VocabShard
 
@@ -40,10 +40,16 @@ def normalised_bounds(mass: Tensor, count: Tensor, total: Tensor) -> tuple[Tenso
     return torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
 
 
+def mass_and_count(w: Tensor) -> list[Tensor]:
+    """This rank's exact mass of rows ``w`` float32 ``[n, size]`` and count of ``w > 0``, float64 and int64 ``[n]``:
+    what a round gathers for :func:`normalised_bounds`."""
+    return [row_mass(w), (w > 0).sum(-1)]
+
+
 def exact_masses(w: Tensor) -> Task[tuple[Tensor, Tensor]]:
     """Every rank's exact mass of rows ``w`` float32 ``[n, size]`` and count of ``w > 0``: float64 and int64
     ``[world, n]``. One round."""
-    got = yield [masses(w).sum(-1), (w > 0).sum(-1)]
+    got = yield mass_and_count(w)
     return got.parts[0], got.parts[1]
 
 

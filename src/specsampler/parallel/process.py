@@ -27,7 +27,7 @@ from ..sampling.masses import divide_by_, masses
 from ..sampling.processing import _kinds
 from ..sampling.topk import ordered_prefix
 from .argmax import argmax_keys
-from .draws import draw, normalised_bounds, owned_values
+from .draws import draw, mass_and_count, normalised_bounds, owned_values
 from .nucleus import nucleus
 from .rounds import Task, together
 from .rows import Rows, global_top
@@ -82,7 +82,7 @@ def _plain(x: Tensor, rp: RowParams, shard: VocabShard, reads) -> Task[Rows]:
     w = _weights(x, top[:, None], rp.temperature, True, shared=rp.shared is not None)
     # the largest weight is 1 where the row has mass (exp2(0) at its maximum), on whichever rank holds it
     w.mul_(w >= rp.min_p[:, None] * torch.isfinite(top).float()[:, None])
-    got = yield [masses(w).sum(-1), (w > 0).sum(-1), owned_values(w, row, ids, shard)]
+    got = yield [*mass_and_count(w), owned_values(w, row, ids, shard)]
     mass, count, at = got.parts
     total = mass.sum(0)
     lo, hi = normalised_bounds(mass, count, total)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..params import RowParams
-from ..sampling.masses import as_weight, divide_by, masses
+from ..sampling.masses import as_weight, divide_by, row_mass
 from ..verify.chain import (
     ChainInputs,
     ChainResult,
@@ -23,7 +23,7 @@ from ..verify.chain import (
     expected_of,
 )
 from ..verify.walks import TreeInputs, _ratio, walk_draws
-from .draws import draw, exact_masses, local, normalised_bounds, owned_values, read
+from .draws import draw, exact_masses, local, mass_and_count, normalised_bounds, owned_values, read
 from .process import process, sample
 from .rounds import Task, together
 from .shard import VocabShard
@@ -156,7 +156,7 @@ def _residual_round(w: Tensor, zeroed: Tensor | None, at: list[Tensor], shard: V
     ids = at[-1]
     row = torch.arange(ids.numel(), device=w.device)
     values = [owned_values(r, row, ids.clamp(min=0), shard) * (ids >= 0) for r in at[:-1]]
-    sent = [masses(w).sum(-1), (w > 0).sum(-1)] + ([] if zeroed is None else [masses(zeroed).sum(-1)]) + values
+    sent = mass_and_count(w) + ([] if zeroed is None else [row_mass(zeroed)]) + values
     got = yield sent
     out = got.parts[:2] + [p.sum(0) for p in got.parts[2:]]
     return out
