@@ -174,7 +174,7 @@ def test_top_p_at_the_edge_of_a_prefix_keeps_the_exact_prefix(V, edge):
     ordered = torch.sort(w, dim=-1, descending=True, stable=True)
     prefix = m.gather(1, ordered.indices).cumsum(-1)
     settled = []
-    real = nucleus._Target._settle
+    real = nucleus._Target._make_exact
 
     def counting(self, open_rows, sub):
         settled.append(int(open_rows.sum()))
@@ -184,7 +184,7 @@ def test_top_p_at_the_edge_of_a_prefix_keeps_the_exact_prefix(V, edge):
         top_p = float(prefix[b, j] / z[b])
         top_p = torch.nextafter(torch.tensor(top_p, dtype=torch.float32), torch.tensor(edge * 2.0)).item() if edge \
             else torch.tensor(top_p, dtype=torch.float32).item()
-        with mock.patch.object(nucleus._Target, "_settle", counting):
+        with mock.patch.object(nucleus._Target, "_make_exact", counting):
             out = ss.top_p_renorm(probs[b:b + 1], top_p)
         assert (out[0] > 0).tolist() == _exact_top_p(w[b:b + 1], top_p)[0]
     if V > nucleus._COUNT_WHOLE:

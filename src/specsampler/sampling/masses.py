@@ -134,6 +134,12 @@ def _sum_error(n: int) -> float:
 _GROUP = 16  # values per float32 sum of masses in the bounds (their error: gamma(15) < 1e-6 of the sum)
 
 
+def _exact_sum_bounds(s: Tensor, g: float, widen: float) -> tuple[Tensor, Tensor]:
+    """Integers ``lo <= S <= hi`` (float64) around an exact sum S of non-negative values whose computed sum ``s``
+    lies within the factor ``g`` of it (:func:`_sum_error`), widened by ``widen`` for float64's own rounding."""
+    return torch.ceil(s / (1 + g) * (1 - widen)), torch.floor(s / (1 - g) * (1 + widen))
+
+
 def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Bounds on the masses of the chunks of 256 columns of each row, from float32 sums of masses.
 
@@ -152,7 +158,8 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
     g = _sum_error(_GROUP)
     s = torch.nn.functional.pad(sums.double(), (0, -sums.shape[1] % (_CHUNK // _GROUP)))
     s = s.view(R, -1, _CHUNK // _GROUP).sum(-1)  # float64: exact (integers below 2**53)
-    return torch.ceil(s / (1 + g) * (1 - 2.0**-50)), torch.floor(s / (1 - g) * (1 + 2.0**-50)), f
+    lo, hi = _exact_sum_bounds(s, g, 2.0**-50)
+    return lo, hi, f
 
 
 def mass_interval(w: Tensor, group: int = _GROUP) -> tuple[Tensor, Tensor]:
@@ -169,9 +176,8 @@ def mass_interval(w: Tensor, group: int = _GROUP) -> tuple[Tensor, Tensor]:
     s = w[:, :full].unflatten(1, (full // group, group)).sum(-1).double().sum(-1)
     if full < C:
         s = s + w[:, full:].sum(-1).double()
-    g, scaled = _sum_error(min(C, group)), s * _ONE
-    hi = torch.floor(scaled / (1 - g) * (1 + 2.0**-30))
-    lo = (torch.ceil(scaled / (1 + g) * (1 - 2.0**-30)) - C).clamp_(min=0)
+    lo, hi = _exact_sum_bounds(s * _ONE, _sum_error(min(C, group)), 2.0**-30)
+    lo = (lo - C).clamp_(min=0)
     nan = s.isnan()
     return lo.masked_fill_(nan, 0.0), hi.masked_fill_(nan, float("inf"))
 

@@ -92,7 +92,7 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     r = w.shape[0]
     if V <= _COUNT_WHOLE:  # short rows: counting them whole costs less than estimating
         return parts + _counted_nuclei(rows, w, rp, w_max)
-    target = _Target(w, rp.top_p, _take(target.lo, sub), _take(target.hi, sub))
+    target = target.take(w, sub)
     done = torch.zeros(r, dtype=torch.bool, device=x.device)
     lb, likely, size = _nucleus_bound(w, w_max, target.high(), target.hi, chunk_max)
     small = size <= SMALL_NUCLEUS // 2
@@ -129,7 +129,18 @@ class _Target:
         """float64 ``[r]``: the target at the upper bound (an estimate where the bounds differ)."""
         return top_p_target(self.top_p, self.hi)
 
-    def _settle(self, open_rows: Tensor, sub: Tensor | None) -> None:
+    def take(self, w: Tensor, sub: Tensor | None) -> _Target:
+        """The target of rows ``sub`` (None: all), whose weights are now ``w``."""
+        return _Target(w, _take(self.top_p, sub), _take(self.lo, sub), _take(self.hi, sub))
+
+    def exact(self, sub: Tensor | None = None) -> Tensor:
+        """float64 ``[n]``: the exact target of rows ``sub`` (None: all), each row's mass summed where not known."""
+        open_rows = _take(self.lo, sub) != _take(self.hi, sub)
+        if bool(open_rows.any()):
+            self._make_exact(open_rows, sub)
+        return top_p_target(_take(self.top_p, sub), _take(self.lo, sub))
+
+    def _make_exact(self, open_rows: Tensor, sub: Tensor | None) -> None:
         """Give the rows ``sub[open_rows]`` (``sub``: indices into the ``r`` rows, None for all) their exact mass."""
         at = _within(sub, open_rows.nonzero()[:, 0])
         z = row_mass(self.w.index_select(0, at))
@@ -150,7 +161,7 @@ class _Target:
         before_last = row_mass(kept) - masses(torch.where(kept > 0, kept, float("inf")).amin(-1))
         open_rows = (low < high) & (before_last >= low)
         if bool(open_rows.any()):
-            self._settle(open_rows, sub)
+            self._make_exact(open_rows, sub)
             at = open_rows.nonzero()[:, 0]
             kept[at] = cut_to_mass(w[at], top_p_target(top_p[at], _take(self.lo, sub)[at]))
         return kept
@@ -162,7 +173,7 @@ class _Target:
         differ = (low != high).view(low.shape[0], -1).any(-1)
         if not bool(differ.any()):
             return low
-        self._settle(differ, sub)
+        self._make_exact(differ, sub)
         return fn(_take(self.lo, sub))
 
 
@@ -324,9 +335,7 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: _Target, 
     if bool(dense.any()):
         sub = _rows_where(dense)
         rows_w = w if sub is None else w[sub]  # the scratch weights are only read; a selection is a copy
-        target._settle(torch.ones(rows_w.shape[0], dtype=torch.bool, device=w.device), sub)
-        z = _take(target.lo, sub)
-        rows_w = cut_to_mass(rows_w, top_p_target(_take(rp.top_p, sub), z), out=None if sub is None else rows_w)
+        rows_w = cut_to_mass(rows_w, target.exact(sub), out=None if sub is None else rows_w)
         parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub)))
     return parts
 
