@@ -117,9 +117,9 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
     if C == 0 or R == 0:
         return torch.zeros(R, dtype=torch.int64, device=weights.device)
     if C < 4 * _CHUNK:
-        m = masses(weights, "draw masses")
-        cum = m.cumsum(-1)
-        return invert(cum, draw_target(u, cum[:, -1]))
+        cum = masses(weights, "draw masses").cumsum(-1)
+        z = cum[:, -1]
+        return torch.where(z > 0, _first_above(cum, draw_target(u, z)), 0)  # t < Z: a column of positive mass
     return _draw_certified(weights, u)
 
 

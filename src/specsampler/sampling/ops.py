@@ -27,7 +27,7 @@ from ..validation import (
     shape_str,
 )
 from .filters import _FAR, _weights
-from .masses import divide_by_, masses, top_p_target
+from .masses import MASS_BITS
 from .processing import Processed, in_vector_body, process, sample_by_inversion
 
 
@@ -281,38 +281,41 @@ _SMALL_V = 1024  # process() orders top-p rows this short whole, and so does _pr
 
 def _small_constants(rp: RowParams, V: int) -> tuple[Tensor, ...] | None:
     """The per-row constants :func:`_process_small` takes for rows ``rp`` over ``V`` tokens
-    (``log2(e) / T`` ``[R, 1]``, top-p ``[R, 1]``, a zero), or None where it does not
+    (``log2(e) / T`` float32 ``[R, 1]``, top-p float64 ``[R, 1]``), or None where it does not
     apply: rows not sharing scalar parameters, top-k, greedy, no top-p, min-p, or V not a
     multiple of 64 up to 1024."""
     s = rp.shared
     if s is None or V > _SMALL_V or V % 64 or s.temperature == 0 or 0 < s.top_k < V or s.top_p >= 1 or s.min_p:
         return None
     c = torch.full_like(rp.temperature, _LOG2E).div_(rp.temperature)[:, None]
-    return c, rp.top_p[:, None], torch.zeros((), device=c.device)
+    return c, rp.top_p.double()[:, None]
 
 
 def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None:
-    """``process(x, rp, logits=True)`` for top-p rows over a short vocabulary, in a third of its ops.
+    """``process(x, rp, logits=True)`` for top-p rows over a short vocabulary, in a fraction of its ops.
 
     x: float32 ``[R, V]``; constants: :func:`_small_constants`. The same arithmetic as
     :func:`process` takes for such rows (``exp2`` of ``x * c - top * c``, the top-p cut in the
     (weight desc, id asc) order and the normalisation on exact masses), so the same numbers;
-    returned dense, which samples and reads as the candidates in id order do. None where a row's largest
-    logit is not finite or ``|top * c| >= 2**24`` (use :func:`process`).
+    returned dense, which samples and reads as the candidates in id order do. None where
+    ``top * c`` is not finite or ``|top * c| >= 2**24`` (use :func:`process`).
     """
-    c, top_p, zero = constants
-    top = x.amax(-1, keepdim=True)
-    if not all(map(math.isfinite, top.view(-1).tolist())) or bool(((top * c).abs() >= _FAR).any()):
+    c, top_p = constants
+    tc = x.amax(-1, keepdim=True) * c
+    # a NaN logit makes its row's maximum NaN: past this check the rows hold numbers, and weights in [0, 1]
+    if not all(math.isfinite(v) and abs(v) < _FAR for v in tc.view(-1).tolist()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
     # bit for bit process()'s weights (elementwise, every value in the vectorised body: V is a multiple of 64),
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
-    w = torch.mul(x, c).sub_(top * c).exp2_().clamp_(max=1.0)
+    w = torch.mul(x, c).sub_(tc).exp2_().clamp_(max=1.0)
     w, order = torch.sort(w, dim=-1, descending=True, stable=True)
-    m = masses(w)
+    m = w.double().mul_(2.0**MASS_BITS).floor_()  # masses.masses() of weights in [0, 1]
     cum = m.cumsum(-1)
-    keep = (cum - m) < top_p_target(top_p[:, 0], cum[:, -1])[:, None]
-    # process()'s normalisation: the kept weights over their exact mass
-    kept = divide_by_(torch.where(keep, w, zero), torch.where(keep, m, 0.0).sum(-1, keepdim=True))
+    z = cum[:, -1:]
+    keep = (cum - m) < torch.minimum(torch.ceil(top_p * z), z)  # masses.top_p_target
+    # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero),
+    # as a float32 weight (masses.as_weight: a power-of-two scale of the float32 rounding)
+    kept = torch.where(keep, w, 0.0).div_(torch.where(keep, m, 0.0).sum(-1, keepdim=True).float().mul_(2.0**-MASS_BITS))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 
