@@ -228,7 +228,9 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
         if K:
             rejected = n < c.num_drafts
             q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
-            stop.sub_(q_rows.mul_(rejected[:, None])).clamp_(min=0.0)
+            if not bool(rejected.all()):  # a request that accepted every draft draws its bonus from p itself
+                q_rows.mul_(rejected[:, None])
+            stop.sub_(q_rows).clamp_(min=0.0)
             empty = rejected & ~c.vocab.has_mass(stop)
             if bool(empty.any()):  # a residual without mass: draw from p itself
                 stop[empty] = target.select(stop_rows[empty]).dense()
