@@ -127,13 +127,13 @@ def philox4x32_numpy(counter: tuple, key: tuple, rounds: int = 10):
     return c0, c1, c2, c3
 
 
-def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
+def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Tensor) -> Tensor:
     """Uniforms in [0, 1) at the documented counters.
 
     Args:
         seed, offset: int64 ``[B]``.
         index: int64 ``[B, n]``: the draw index of each uniform within its request.
-        stream: ``STREAM_SAMPLE`` or ``STREAM_ACCEPT``.
+        stream: ``STREAM_SAMPLE`` or ``STREAM_ACCEPT``, or int64 ``[n]``: each column's.
     Returns:
         float32 ``[B, n]`` (on the CPU computed with numpy, elsewhere with torch ops: the same numbers).
     """
@@ -146,7 +146,8 @@ def _uniform_numpy(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> 
     mask, s32 = np.uint64(_MASK32), np.uint64(32)
     s, o, i = u64(seed)[:, None], u64(offset)[:, None], u64(index)
     lo, hi = np.broadcast_to(o & mask, i.shape), np.broadcast_to(o >> s32, i.shape)
-    counter = (i & mask, np.full_like(i, stream), lo, hi)
+    streams = stream.numpy() if isinstance(stream, Tensor) else stream
+    counter = (i & mask, np.broadcast_to(np.asarray(streams, dtype=np.uint64), i.shape), lo, hi)
     word = philox4x32_numpy(counter, (s & mask, s >> s32))[0]
     u = (word >> np.uint64(8)).astype(np.float32, order="C") * np.float32(2.0**-24)
     return torch.from_numpy(np.ascontiguousarray(u).reshape(index.shape))
@@ -157,7 +158,7 @@ def _uniform_torch(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> 
     k0 = (seed & _MASK32)[:, None].expand(shape)
     k1 = ((seed >> 32) & _MASK32)[:, None].expand(shape)
     c0 = index & _MASK32
-    c1 = torch.full_like(c0, stream)
+    c1 = stream.expand(shape) if isinstance(stream, Tensor) else torch.full_like(c0, stream)
     c2 = (offset & _MASK32)[:, None].expand(shape)
     c3 = ((offset >> 32) & _MASK32)[:, None].expand(shape)
     word = philox4x32((c0, c1, c2, c3), (k0, k1))[0]
@@ -175,6 +176,28 @@ def uniform(rng, op: str, batch: int, count: int, stream: int, device: torch.dev
     if isinstance(rng, torch.Generator):
         return torch.rand((batch, count), generator=rng, device=rng.device).to(device)
     return torch.rand((batch, count), device=device)
+
+
+def planned(rng, op: str, batch: int, plan: tuple[tuple[int, int], ...], device: torch.device):
+    """``draw(stream, count)`` for an op whose draws are ``plan`` ((stream, count) pairs, each stream once): the
+    uniforms ``uniform(rng, op, batch, count, stream, device)`` gives. A :class:`Philox`'s planned streams come
+    from one evaluation (at a batch's sizes its cost is per call, not per number); any other rng is drawn from
+    when asked, in the op's own order."""
+    if not isinstance(rng, Philox) or len(plan) < 2:
+        return lambda stream, count: uniform(rng, op, batch, count, stream, device)
+    seed, offset = rng.keys(op, batch, device)
+    index = torch.cat([torch.arange(count, dtype=torch.int64) for _, count in plan]).to(device)
+    streams = torch.cat([torch.full((count,), s, dtype=torch.int64) for s, count in plan]).to(device)
+    u = philox_uniform(seed, offset, index.expand(batch, -1), streams).split([count for _, count in plan], 1)
+    ready = {s: part for (s, _), part in zip(plan, u)}
+
+    def draw(stream: int, count: int) -> Tensor:
+        have = ready.get(stream)
+        if have is None or have.shape[1] < count:
+            return uniform(rng, op, batch, count, stream, device)
+        return have[:, :count].contiguous()  # a Philox number depends on its counter, not on the count drawn
+
+    return draw
 
 
 def kernel_randomness(rng, op: str, batch: int, count: int, streams: tuple[int, ...],

@@ -14,6 +14,7 @@ from specsampler.rng import (
     philox4x32,
     philox4x32_numpy,
     philox_uniform,
+    planned,
     uniform,
 )
 
@@ -45,6 +46,23 @@ def test_the_numpy_and_torch_paths_draw_the_same_uniforms():
     index = torch.randint(0, 2**20, (50, 7), generator=g)
     for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
         assert torch.equal(_uniform_numpy(seed, offset, index, stream), _uniform_torch(seed, offset, index, stream))
+
+
+def test_planned_streams_are_the_uniforms_each_call_would_draw():
+    """An op's planned streams (one Philox evaluation for all of them, per-column streams on both paths) are the
+    numbers separate uniform() calls give, for any count asked; any other rng is drawn from when asked, in order."""
+    rng = ss.Philox(torch.tensor([3, 2**40 + 5, -7]), torch.tensor([0, 2, 2**33 + 9]))
+    draw = planned(rng, "t", 3, ((STREAM_SAMPLE, 5), (STREAM_ACCEPT, 4)), CPU)
+    for stream, count in ((STREAM_ACCEPT, 4), (STREAM_SAMPLE, 5), (STREAM_SAMPLE, 2), (STREAM_ACCEPT, 9)):
+        got = draw(stream, count)
+        assert got.is_contiguous() and torch.equal(got, uniform(rng, "t", 3, count, stream, CPU)), (stream, count)
+    seed, offset = rng.keys("t", 3, CPU)
+    index, streams = torch.arange(6).expand(3, 6), torch.tensor([0, 1, 0, 1, 1, 0])
+    assert torch.equal(_uniform_numpy(seed, offset, index, streams), _uniform_torch(seed, offset, index, streams))
+    g, h = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    draw = planned(g, "t", 2, ((STREAM_SAMPLE, 3), (STREAM_ACCEPT, 3)), CPU)
+    first, second = draw(STREAM_ACCEPT, 3), draw(STREAM_SAMPLE, 3)  # the order the op asks in
+    assert torch.equal(first, torch.rand(2, 3, generator=h)) and torch.equal(second, torch.rand(2, 3, generator=h))
 
 
 def test_uniforms_are_float32_in_the_unit_interval_and_uniform():

@@ -191,7 +191,7 @@ def test_empty_chains_full_chains_and_strided_half_precision_logits(method):
     assert_same_chain(_kernel(c, method, rng, (16, 32)), _reference(c, method, rng), f"{method} strided")
 
 
-def test_block_residuals_after_partial_acceptance_are_scaled_by_a(monkeypatch):
+def test_block_residuals_after_partial_acceptance_are_scaled_by_a():
     """Block verification stopping at tau = 1 with a_1 < 1 draws from max(a_1 p_1 - q_1, 0): the first draft is
     the most likely token with 0.5 < a_1 = p/q < 0.95, the second out of range (a_2 = 0), every eta is 0 (tau = 1
     wherever h_1 > 0); on dense rows and on top-k rows held in registers."""
@@ -208,8 +208,8 @@ def test_block_residuals_after_partial_acceptance_are_scaled_by_a(monkeypatch):
     assert ((a_1 > 0.5) & (a_1 < 0.95)).all()
     u_sample, eta = torch.rand(B, K + 1, generator=g), torch.zeros(B, K + 1)
     logits, p, q, x, u_sample, eta = (t.to(DEVICE) for t in (logits, p, q, x, u_sample, eta))
-    monkeypatch.setattr(ss.chain, "uniform", lambda rng, op, b, n, stream, dev: (u_sample, eta)[stream][:, :n].clone())
-    ref = ss.verify_chain_from_logits(logits, x, params, draft_probs=q, method="block")
+    given = ss.Uniforms(sample=u_sample, accept=eta)
+    ref = ss.verify_chain_from_logits(logits, x, params, draft_probs=q, method="block", rng=given)
     assert (ref.num_accepted == 1).all(), ref.num_accepted
     unscaled = sample_by_inversion((p[:, 1] - q[:, 1]).clamp(min=0), u_sample[:, 1])
     assert (unscaled != ref.tokens[:, 1])[0::2].any() and (unscaled != ref.tokens[:, 1])[1::2].any()  # a_1 matters
@@ -368,7 +368,7 @@ def test_launcher_checks_its_randomness_and_draft_probs():
     assert tokens.shape == (0, K + 1) and n.shape == (0,)
 
 
-def test_draws_at_exact_boundaries_follow_the_strict_rules(monkeypatch):
+def test_draws_at_exact_boundaries_follow_the_strict_rules():
     """Dyadic probabilities (four tokens of logit 0, the others -inf: p = 1/4 exactly) and uniforms that land
     exactly on the boundaries: acceptance is strict (u * q < p), a block position with h = 0 is not taken at
     eta = 0, an inversion at a cumulative boundary takes the next token, and argmax ties go to the lowest id
@@ -384,14 +384,14 @@ def test_draws_at_exact_boundaries_follow_the_strict_rules(monkeypatch):
     # the same uniform at every index of both streams
     logits, q, grid = (t.to(DEVICE) for t in (logits.expand(B, K + 1, V).contiguous(), q,
                                               u[:, None].expand(B, K + 1).contiguous()))
-    monkeypatch.setattr(ss.chain, "uniform", lambda rng, op, b, n, stream, dev: grid[:, :n].clone())
+    same = ss.Uniforms(sample=grid, accept=grid)
     dense, in_registers = SP(), SP(top_k=4)
     for x, params in (([1, 20], dense), ([1, 20], in_registers), ([40, 2], dense), ([20, 66], in_registers)):
         rp = _row_params(params, B, K + 1)
         drafts = torch.tensor(x, device=DEVICE).expand(B, K).contiguous()
         for method in METHODS:
             draft = q if method in SAMPLED else None
-            ref = ss.verify_chain_from_logits(logits, drafts, params, draft_probs=draft, method=method)
+            ref = ss.verify_chain_from_logits(logits, drafts, params, draft_probs=draft, method=method, rng=same)
             out = kchain.verify_chain_from_logits(logits, drafts, draft, None, method, *rp, u_accept=grid,
                                                   u_sample=grid, block_v=32, chunk=8, cand=16)
             assert_same_chain(out, ref, f"{method} drafts {x} {params}")

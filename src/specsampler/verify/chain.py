@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, planned
 from ..sampling.greedy import greedy_ids
 from ..sampling.masses import as_weight
 from ..sampling.ops import _process_prepared, logit_inputs, logit_rows
@@ -210,7 +210,8 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     count)``: the uniforms ``[B, count]`` of a stream (default: drawn from ``rng``)."""
     B, K, dev = c.B, c.K, c.x.device
     batch = torch.arange(B, device=dev)
-    draw = draw or (lambda stream, count: uniform(rng, op, B, count, stream, dev))
+    draws = ((STREAM_SAMPLE, K + 1), (STREAM_ACCEPT, K + 1)) if c.method in ("token", "block") else ()
+    draw = draw or planned(rng, op, B, draws, dev)
     u_draw = draw(STREAM_SAMPLE, K + 1)
     if c.method == "greedy":
         return verify_greedy(c, greedy_draws)

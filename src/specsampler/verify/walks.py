@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..params import RowParams
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
+from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, planned
 from ..sampling.greedy import greedy_ids
 from ..sampling.masses import as_weight, divide_by
 from ..sampling.processing import SCRATCH, Processed, process
@@ -116,7 +116,8 @@ def _walk_start(c: TreeInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def _drawer(c: TreeInputs, rng, op: str, draw: Callable[[int, int], Tensor] | None) -> Callable[[int, int], Tensor]:
     """``draw(stream, count)``: the uniforms ``[B, count]`` of a stream, from ``rng`` unless given."""
-    return draw or (lambda stream, count: uniform(rng, op, c.B, count, stream, c.x.device))
+    plan = ((STREAM_ACCEPT, c.N), (STREAM_SAMPLE, c.N)) if c.method in ("rrs", "traversal") else ()
+    return draw or planned(rng, op, c.B, plan, c.x.device)
 
 
 def walk_draws(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
