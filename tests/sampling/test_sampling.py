@@ -601,7 +601,7 @@ def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
     monkeypatch.setattr(search, "_COUNT_WHOLE", 0)
     widths, real_cut = [], search.cut_to_mass
     monkeypatch.setattr(search, "cut_to_mass",
-                        lambda w, t, out=None: widths.append(w.shape[1]) or real_cut(w, t, out))
+                        lambda w, t, out=None, m=None: widths.append(w.shape[1]) or real_cut(w, t, out, m))
     logits = torch.randn(16, V, generator=torch.Generator().manual_seed(V)) * scale
     probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))
     nucleus = int((probs > 0).sum(-1).max())

@@ -30,6 +30,7 @@ from .topk import _by_row, _chunk_len, _positions, ordered_prefix
 SMALL_NUCLEUS = 64  # nuclei first searched among the 64 most likely tokens
 _ORDER_WHOLE = 1024  # top-p rows this short are ordered whole: cheaper than estimating a nucleus bound
 _BLOCK = 512  # rows per block in the search for large nuclei
+_WEIGHTS_BLOCK = 1 << 21  # values per block of rows whose weights are computed and summed at once (in cache)
 _RADIX_SHIFT = 17  # the radix select's first digit: 64 bins per octave of weight,
 _RADIX_KEYS = 1 << 11  # 2048 of them; then 11 bits at a time
 _RADIX_SORT = 256  # pending tokens per row (on average) few enough to sort
@@ -65,16 +66,11 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     is looked for among the 64 most likely tokens, the others are compacted above an
     estimated bound (or cut densely when too large)."""
     r, V = x.shape
-    L = _chunk_len(V)
-    chunk_max = x.view(r, V // L, L).amax(-1) if L and x.is_contiguous() else None
-    top, best = _max(x, chunk_max)
-    # unnormalised weights (the most likely token's 1), in a scratch buffer
-    w = _weights(x, top[:, None], rp.temperature, logits, shared=rp.shared is not None, scratch="weights")
+    chunk_max, best, w, lo, hi = _weights_and_bounds(x, rp, logits)
     w_max = w.gather(1, best[:, None])
     # a token that alone reaches top-p is the nucleus (decided from bounds on each row's mass, :class:`_Target`)
     m_max = masses(w_max[:, 0])  # 0 for a row without mass (no finite logit), which is then done
-    # (rows counted whole take their exact mass from the radix histogram later: a coarse bound serves here)
-    target = _Target(w, rp.top_p, *mass_interval(w, 256 if V <= _COUNT_WHOLE else 16))
+    target = _Target(w, rp.top_p, lo, hi)
     done = target.reached(m_max)
     parts = []
     n_done = int(done.sum())
@@ -111,6 +107,36 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     if not bool(done.all()):
         parts += _large_nuclei(rows, w, torch.where(done, float("inf"), lb), likely, target, rp, w_max)
     return parts
+
+
+def _weights_and_bounds(x: Tensor, rp: RowParams, logits: bool) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+    """The passes over whole rows ``x`` float32 ``[r, V]``, a block of rows at a time (about
+    :data:`_WEIGHTS_BLOCK` values) so that all but the first read the caches, not memory: the chunk maxima of the
+    logits, each row's largest and its lowest id, the unnormalised weights (:func:`_weights`, the most likely
+    token's 1) and bounds on each row's mass (:func:`~.masses.mass_interval`). Row by row, the numbers of any
+    block.
+
+    Returns chunk_max ``[r, V / L]`` (None when V has no chunk length or x is not contiguous), best int64 ``[r]``,
+    w float32 ``[r, V]`` (a scratch tensor) and lo, hi float64 ``[r]``.
+    """
+    r, V = x.shape
+    L = _chunk_len(V) if x.is_contiguous() else 0
+    step = max(1, _WEIGHTS_BLOCK // max(V, 1))
+    w = None if step >= r else SCRATCH.get("nucleus weights", (r, V), torch.float32, x.device)
+    out = []
+    for s in range(0, r, step):
+        xb = x[s:s + step]
+        chunk_max = xb.view(xb.shape[0], V // L, L).amax(-1) if L else None
+        top, best = _max(xb, chunk_max)
+        temperature = rp.temperature[s:s + step]
+        wb = _weights(xb, top[:, None], temperature, logits, shared=rp.shared is not None, scratch="weights")
+        out.append((chunk_max, best, *mass_interval(wb)))
+        if w is None:
+            w = wb
+        else:
+            w[s:s + step] = wb
+    chunk_max, best, lo, hi = (None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
+    return chunk_max, best, w, lo, hi
 
 
 class _Target:
@@ -150,20 +176,20 @@ class _Target:
         """bool ``[n]``: whether ``mass`` float64 ``[n]`` reaches the target of rows ``sub`` (None: all)."""
         return self.decide(lambda z: mass >= top_p_target(_take(self.top_p, sub), z), sub)
 
-    def cut(self, w: Tensor, sub: Tensor | None = None) -> Tensor:
-        """:func:`cut_to_mass` of rows ``w`` float32 ``[n, C]`` (those of ``sub``, None: all) to their target:
-        cut once, to the upper end's; the kept set is the same for every target above the mass before its last
-        token (the lightest kept, whose mass every token of that weight has), so a row whose lower end's target
-        is not above it is settled and cut again."""
+    def cut(self, w: Tensor, m: Tensor, sub: Tensor | None = None) -> Tensor:
+        """:func:`cut_to_mass` of rows ``w`` float32 ``[n, C]`` (those of ``sub``, None: all; ``m``: their masses,
+        float64) to their target: cut once, to the upper end's; the kept set is the same for every target above
+        the mass before its last token (the lightest kept, whose mass every token of that weight has), so a row
+        whose lower end's target is not above it is settled and cut again."""
         top_p = _take(self.top_p, sub)
         low, high = top_p_target(top_p, _take(self.lo, sub)), top_p_target(top_p, _take(self.hi, sub))
-        kept = cut_to_mass(w, high)
-        before_last = row_mass(kept) - masses(torch.where(kept > 0, kept, float("inf")).amin(-1))
+        kept = cut_to_mass(w, high, m=m)
+        before_last = torch.where(kept > 0, m, 0.0).sum(-1) - masses(torch.where(kept > 0, kept, float("inf")).amin(-1))
         open_rows = (low < high) & (before_last >= low)
         if bool(open_rows.any()):
             self._make_exact(open_rows, sub)
             at = open_rows.nonzero()[:, 0]
-            kept[at] = cut_to_mass(w[at], top_p_target(top_p[at], _take(self.lo, sub)[at]))
+            kept[at] = cut_to_mass(w[at], top_p_target(top_p[at], _take(self.lo, sub)[at]), m=m[at])
         return kept
 
     def decide(self, fn, sub: Tensor | None = None) -> Tensor:
@@ -326,11 +352,12 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: _Target, 
     if bool(compact.any()):
         flat, b, cols = _positions("ge", w, torch.where(compact, lb, float("inf"))[:, None])
         _, ids, cand = _by_row(b, r, cols, w.view(-1).index_select(0, flat))  # candidates in id order
-        compact &= target.reached(row_mass(cand))  # rows short of it drop out
+        m = masses(cand, "candidate masses")
+        compact &= target.reached(m.sum(-1))  # rows short of it drop out
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)
-        ids, cand = _take(ids, sub), target.cut(_take(cand, sub), sub)
+        ids, cand = _take(ids, sub), target.cut(_take(cand, sub), _take(m, sub), sub)
         parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
     if bool(dense.any()):
         sub = _rows_where(dense)
@@ -351,7 +378,7 @@ def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
     return (k - 1) - j[:, 0]
 
 
-def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
+def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None, m: Tensor | None = None) -> Tensor:
     """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
     position asc) order whose exact mass (:mod:`.masses`) reaches ``target`` (all of them kept if none does).
 
@@ -361,27 +388,28 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None) -> Tensor:
     settled by :func:`_settle`.
 
     w: float32 ``[r, C]`` in [0, 1]. target: float64 ``[r]``, absolute mass. out: where to write
-    the result (``w`` itself: in place); default a new tensor, ``w`` then only read.
+    the result (``w`` itself: in place); default a new tensor, ``w`` then only read. m: the masses of ``w``
+    (:func:`~.masses.masses`) when the caller has them.
     """
-    digit, hist, _ = _first_digit(w)
+    digit, hist, _ = _first_digit(w, m)
     above = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
     crossing = _cross(hist, above, target).to(torch.int32)[:, None]
     return _cut_from(w, digit, crossing, above, target, out)
 
 
-def _first_digit(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _first_digit(w: Tensor, m: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The radix cut's first digit, over the whole matrix: each row's weights binned by bits
     30..17 (64 bins per octave) relative to its largest, 2047 bins over the 32 octaves below
     it and the lowest bin (0) holding everything further below, and a histogram of mass by bin,
     in which :func:`_cross` finds the bin where the prefix mass crosses a target.
 
-    w: float32 ``[r, C]`` in [0, 1]. Returns the bins int32 ``[r, C]`` (a scratch tensor), the histogram of
-    masses float64 ``[r, 2048]`` (its total: each row's exact mass) and the bit pattern >> 17 of bin 0, int32
-    ``[r, 1]``.
+    w: float32 ``[r, C]`` in [0, 1]; m: its masses float64, or None (computed). Returns the bins int32 ``[r, C]``
+    (a scratch tensor), the histogram of masses float64 ``[r, 2048]`` (its total: each row's exact mass) and the
+    bit pattern >> 17 of bin 0, int32 ``[r, 1]``.
     """
     base = (w.amax(-1, keepdim=True).view(torch.int32) >> _RADIX_SHIFT) - (_RADIX_KEYS - 1)
     digit = _keys(w, _RADIX_SHIFT, "digits").sub_(base).clamp_(min=0)
-    return digit, _histogram(digit, masses(w, "cut masses"), _RADIX_KEYS), base
+    return digit, _histogram(digit, masses(w, "cut masses") if m is None else m, _RADIX_KEYS), base
 
 
 def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target: Tensor,
