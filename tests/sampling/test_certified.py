@@ -217,3 +217,34 @@ def test_a_one_token_nucleus_is_the_lowest_id_of_the_largest_weight(tied):
     assert bool((w == 1).all())
     out = ss.sample_from_logits(logits, ss.SamplingParams(temperature=T, top_p=0.5 / tied), ss.Philox(torch.arange(2)))
     assert out.tokens.tolist() == [50, 50]
+
+
+def test_the_first_of_the_largest_weight_is_found_from_the_next_largest_logit():
+    # the lowest id of the largest weight, against a scan of every weight: rows whose next largest logit weighs less
+    # (in the top's chunk or another) take the argmax; ties, near ties that round to the top's weight, masked rows,
+    # NaN and rows without a finite logit fall back to the leading logits or a scan
+    from specsampler.sampling.filters import _weights
+    from specsampler.sampling.nucleus import _first_of_largest, _max
+
+    g = torch.Generator().manual_seed(3)
+    V, L = 4096, 64
+    x = torch.randn(12, V, generator=g) * 3
+    x[1, 70] = x[1].max() + 1e-3  # the next largest in the top's chunk
+    x[1, 71] = x[1, 70] - 1e-3
+    x[2, [10, 3000]] = 40.0  # an exact tie across chunks: the lower id
+    x[3, [3000, 10]] = torch.tensor([40.0, math.nextafter(40.0, 0.0)])  # a near tie at a high temperature
+    x[4, :] = -math.inf
+    x[4, 2500] = 1.0  # one finite logit
+    x[5, :] = -math.inf  # no finite logit: no mass
+    x[6, 77] = math.nan
+    x[7, 5:13] = 50.0  # more than 8 tie
+    x[8, [4000, 4001]] = 45.0  # the top's chunk holds the tie
+    temperature = torch.tensor([1.0, 1.0, 1.0, 100.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 2.0, 1.0])
+    chunk_max = x.view(12, V // L, L).amax(-1)
+    top, best = _max(x, chunk_max)
+    w = _weights(x, top[:, None], temperature, True)
+    w_max = w.gather(1, best[:, None])
+    want = (w == w_max).to(torch.uint8).argmax(-1)
+    assert _first_of_largest(x, w, w_max, chunk_max, best).tolist() == want.tolist()
+    assert _first_of_largest(x, w, w_max, None, best).tolist() == want.tolist()
+    assert want[3] == 10 and want[2] == 10 and want[7] == 5  # the cases above are what they say

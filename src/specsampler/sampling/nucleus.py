@@ -77,7 +77,7 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     if n_done:
         sub = None if n_done == r else done.nonzero()[:, 0]
         first = _first_of_largest(_take(x, sub), _take(w, sub), _take(w_max, sub),
-                                  _take(chunk_max, sub) if chunk_max is not None else None)
+                                  _take(chunk_max, sub) if chunk_max is not None else None, _take(best, sub))
         mass = (_take(m_max, sub) > 0).float()[:, None]  # 1, or 0 for a row without mass
         parts.append(Part(_within(rows, sub), first[:, None], mass))
         if sub is None:
@@ -203,18 +203,41 @@ class _Target:
         return fn(_take(self.lo, sub))
 
 
-def _first_of_largest(x: Tensor, w: Tensor, w_max: Tensor, chunk_max: Tensor | None) -> Tensor:
+def _first_of_largest(x: Tensor, w: Tensor, w_max: Tensor, chunk_max: Tensor | None, best: Tensor) -> Tensor:
     """int64 ``[r]``: the first token of each row's (weight desc, id asc) order, the lowest id of the largest
     weight ``w_max`` ``[r, 1]``. Weights do not decrease with the logit ``x``, so the tokens of that weight lead
-    the logits' order: found among its first 8 when the 8th weighs less (and the 1st that much), else by a scan."""
-    _, ids = ordered_prefix(x, 8, chunk_max)
+    the logits' order: it is ``best`` (int64 ``[r]``, the lowest id of the largest logit) where the next largest
+    logit weighs less (:func:`_next_weight`, from the chunk maxima); elsewhere (ties at the top, rows without
+    mass, no chunk maxima) found among the logits' first 8 when the 8th weighs less, else by a scan."""
+    first = best.clone()
+    open_rows = torch.ones_like(first, dtype=torch.bool) if chunk_max is None else ~(
+        _next_weight(x, w, chunk_max, best) < w_max[:, 0])  # a row without mass (w_max 0) stays open
+    if not bool(open_rows.any()):
+        return first
+    rows = open_rows.nonzero()[:, 0]
+    x, w, w_max = x[rows], w[rows], w_max[rows]
+    _, ids = ordered_prefix(x, 8, None if chunk_max is None else chunk_max[rows])
     ties = w.gather(1, ids) == w_max
-    first = torch.where(ties, ids, x.shape[1]).amin(-1)
+    first[rows] = torch.where(ties, ids, x.shape[1]).amin(-1)
     scan = ~ties[:, 0] | ties[:, -1]
     if bool(scan.any()):
-        rows = scan.nonzero()[:, 0]
-        first[rows] = (w[rows] == w_max[rows]).to(torch.uint8).argmax(-1)
+        at = scan.nonzero()[:, 0]
+        first[rows[at]] = (w[at] == w_max[at]).to(torch.uint8).argmax(-1)
     return first
+
+
+def _next_weight(x: Tensor, w: Tensor, chunk_max: Tensor, best: Tensor) -> Tensor:
+    """float32 ``[r]``: the weight of a token holding each row's largest logit but ``best``'s, found from the
+    chunk maxima ``[r, V / L]`` of ``x`` float32 ``[r, V]`` (contiguous): ``best``'s chunk without it, then the
+    chunk with the largest maximum (the rows' weights ``w``: any token of that logit has that weight)."""
+    r, n = chunk_max.shape
+    L = x.shape[1] // n
+    chunks, row = x.view(r, n, L), torch.arange(r, device=x.device)
+    c = best // L
+    own = chunks[row, c].scatter(1, (best % L)[:, None], float("-inf"))
+    c2 = chunk_max.scatter(1, c[:, None], own.amax(-1, keepdim=True)).argmax(-1)
+    at = c2 * L + torch.where((c2 == c)[:, None], own, chunks[row, c2]).argmax(-1)
+    return w.gather(1, at[:, None])[:, 0]
 
 
 def _max(x: Tensor, chunk_max: Tensor | None) -> tuple[Tensor, Tensor]:
