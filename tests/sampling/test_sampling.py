@@ -326,6 +326,36 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         assert vals[b].tolist() == scores[b, expected].tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    L=st.sampled_from([4, 8, 64]),
+    chunks=st.integers(14, 60),
+    spread=st.sampled_from([0, 2, 1000]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_chunk_search_on_cpu_equals_the_tensor_ops(n, L, chunks, spread, seed):  # NumPy's steps, ATen's
+    from specsampler.sampling.topk import _prefix_among_chunks, _prefix_among_chunks_on_cpu
+
+    assume(4 * (n + 2) <= chunks)
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-spread, spread + 1, (7, chunks * L), generator=g).float()
+    scores[0, : L * 3] = -float("inf")  # masked tokens
+    scores[1, ::5] = -0.0  # ties of signed zeros
+    scores[2, [1, L + 2]] = float("nan")
+    scores[3, [0, 5 * L]] = float("inf")
+    scores[4] = -float("inf")
+    scores[4, : n - 1] = 1.0  # fewer than n finite
+    scores[5] = scores[5] * 1e-3 + torch.randn(chunks * L, generator=g)
+    view = scores.view(7, chunks, L)
+    want = _prefix_among_chunks(view, view.amax(-1), n)
+    got = _prefix_among_chunks_on_cpu(view, view.amax(-1), n)
+    assert torch.equal(got[2], want[2])  # the rows falling back to a whole-row top-k
+    ok = ~want[2]
+    assert torch.equal(got[1][ok], want[1][ok])
+    assert torch.equal(got[0][ok].view(torch.int32), want[0][ok].view(torch.int32))  # bit for bit
+
+
 @pytest.mark.parametrize("V", [7, 5000, 128256])
 def test_an_empty_ordered_prefix(V):
     from specsampler.sampling.processing import ordered_prefix
