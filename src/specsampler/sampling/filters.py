@@ -108,10 +108,23 @@ def _cut_candidates(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = No
     w: float32 ``[r, C]`` in (logit desc, id asc) order (the first the largest), ids: their ids. Returns the
     kept weights.
     """
-    z = row_mass(w) if z is None else z
-    keep = (rp.top_p >= 1)[:, None] | prefix_keep(w, ids, top_p_target(rp.top_p, z))
-    keep &= w >= rp.min_p[:, None] * w[:, :1]
-    return torch.where(keep, w, 0.0)
+    return _cut_with_mass(w, ids, rp, z)[0]
+
+
+def _cut_with_mass(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`_cut_candidates`, also returning the kept weights' row masses float64 ``[r, 1]`` (the candidates'
+    masses are taken once, for the cut and the normalisation alike)."""
+    m = masses(w)
+    keep = None
+    if not rp.all_equal("top_p", 1):
+        z = m.sum(-1) if z is None else z  # the exact row mass (row_mass)
+        keep = (rp.top_p >= 1)[:, None] | prefix_keep(w, ids, top_p_target(rp.top_p, z), m)
+    if not rp.all_equal("min_p", 0):  # min-p 0 keeps every weight (all in [0, 1])
+        above = w >= rp.min_p[:, None] * w[:, :1]
+        keep = above if keep is None else keep & above
+    if keep is None:
+        return w.clone(), m.sum(-1, keepdim=True)
+    return torch.where(keep, w, 0.0), torch.where(keep, m, 0.0).sum(-1, keepdim=True)
 
 
 def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool) -> Tensor:
@@ -120,12 +133,14 @@ def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool) -> Tenso
     return in_vector_body(lambda v: _weights(v, v[:, :1], temperature, logits), vals)
 
 
-def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part:
+def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor, mass: Tensor | None = None) -> Part:
     """The candidates ``ids`` with their kept ``weights`` (in (logit desc, id asc) order: the kept
     ones first), normalised in that order, where a row's sum does not see how many candidates
-    the widest row of the batch took, then put in id order."""
+    the widest row of the batch took, then put in id order. ``mass``: the kept weights' row masses
+    ``[r, 1]`` when the caller has them (:func:`_cut_with_mass`)."""
     ids, perm = ids.sort(dim=-1)
-    return Part(rows, ids, _normalise_(weights).gather(1, perm))
+    mass = row_mass(weights, keepdim=True) if mass is None else mass
+    return Part(rows, ids, divide_by_(weights, mass).gather(1, perm))
 
 
 def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
@@ -138,13 +153,21 @@ def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | No
 
 def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
-    keep_n = torch.where(greedy, 1, rp.top_k)
-    if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
-        x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
-    vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
-    w = _candidate_weights(vals, torch.where(greedy, 1.0, rp.temperature), logits)
-    w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
-    return _part_in_id_order(rows, ids, _cut_candidates(w, ids, rp))
+    shared = rp.shared  # every row's parameters, known on the host: no reads of the tensors
+    if shared is not None and not (logits and shared.temperature == 0):  # every row top-k: shared.top_k of them
+        keep_n = k = int(shared.top_k)
+        temperature = rp.temperature
+    else:
+        keep_n = torch.where(greedy, 1, rp.top_k)
+        if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
+            x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
+        temperature, k = torch.where(greedy, 1.0, rp.temperature), int(keep_n.max())
+    vals, ids = ordered_prefix(x, max(min_candidates, k))
+    w = _candidate_weights(vals, temperature, logits)
+    if not isinstance(keep_n, int) or keep_n < w.shape[1]:  # candidates past a row's k: weight 0
+        keep_n = keep_n if isinstance(keep_n, int) else keep_n[:, None]
+        w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n, w, 0.0)
+    return _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))
 
 
 def _plain_part(rows, x, rp, logits) -> Part:
