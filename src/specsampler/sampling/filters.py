@@ -63,20 +63,21 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     if not logits:
         w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
         return torch.ldexp(w, -torch.frexp(w.amax(-1, keepdim=True)).exponent, out=w) if w.numel() else w
-    finite = torch.isfinite(top)
-    top = torch.where(finite, top, 0.0)
     c = torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
-    torch.mul(vals, float(c[0]) if shared and c.numel() else c, out=w).sub_(top * c)
+    tc = top * c
+    torch.mul(vals, float(c[0]) if shared and c.numel() else c, out=w).sub_(tc)
     # at most 1 (the masses need it: x * c - top * c may round above 0); the few values past n are not read
     buf.exp2_().clamp_(max=1.0)
+    if bool((tc.abs() < _FAR).all()):  # every top finite and near zero (the usual case): done in one check
+        return w
+    finite = torch.isfinite(top)  # rows without mass: 0 below
+    top = torch.where(finite, top, 0.0)
     # from |top * c| >= 2**24 the products round by more than a unit (1e10 gave a row of zeros, 1e15 NaN): such
     # rows subtract first, exactly as the kernels do
     far = (top * c).abs()[:, 0] >= _FAR
     if bool(far.any()):
         w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
-    if not bool(finite.all()):
-        w.masked_fill_(~finite, 0.0)
-    return w
+    return w.masked_fill_(~finite, 0.0)
 
 
 def _normalise_(w: Tensor) -> Tensor:
@@ -127,10 +128,11 @@ def _cut_with_mass(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = Non
     return torch.where(keep, w, 0.0), torch.where(keep, m, 0.0).sum(-1, keepdim=True)
 
 
-def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool) -> Tensor:
-    """:func:`_weights` of candidates ``[r, C]`` in (logit desc, id asc) order (the first the
-    row's top), C padded to whole vector iterations: C is the widest row's of the batch."""
-    return in_vector_body(lambda v: _weights(v, v[:, :1], temperature, logits), vals)
+def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool, shared: bool = False) -> Tensor:
+    """:func:`_weights` of candidates ``[r, C]`` in (logit desc, id asc) order (the first the row's top). C is
+    the widest row's of the batch: the exponential's rounding does not see it, as every value is in the vector
+    body of :func:`_weights`'s buffer. ``shared``: every row's temperature is the same."""
+    return _weights(vals, vals[:, :1], temperature, logits, shared=shared)
 
 
 def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor, mass: Tensor | None = None) -> Part:
@@ -163,7 +165,7 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
             x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
         temperature, k = torch.where(greedy, 1.0, rp.temperature), int(keep_n.max())
     vals, ids = ordered_prefix(x, max(min_candidates, k))
-    w = _candidate_weights(vals, temperature, logits)
+    w = _candidate_weights(vals, temperature, logits, shared=isinstance(keep_n, int))
     if not isinstance(keep_n, int) or keep_n < w.shape[1]:  # candidates past a row's k: weight 0
         keep_n = keep_n if isinstance(keep_n, int) else keep_n[:, None]
         w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n, w, 0.0)

@@ -126,11 +126,11 @@ def _prefix_among_chunks_on_cpu(chunks: Tensor, chunk_max: Tensor, n: int) -> tu
     """:func:`_prefix_among_chunks` on CPU, the same steps in NumPy: on the few candidates its ops cost a
     fraction of ATen's (the search takes a few dozen of them). The comparisons, indexing and stable sort are
     exact, so are the results."""
-    cm = chunk_max.detach().numpy()
     R, S, L = chunks.shape
     g = _group_size(S, n)
     m = S // g
-    group_max = cm.reshape(R, g, m).max(1)  # NaN propagates, as in amax
+    cm = chunk_max.detach().numpy()
+    group_max = chunk_max.view(R, g, m).amax(1).numpy()
     bound = np.maximum(np.partition(group_max, m - n, axis=-1)[:, m - n], np.finfo(np.float32).min)[:, None]
     bound[np.isnan(group_max).any(-1)] = np.nan  # a row with NaN: nothing reaches it, the row falls back
     flat = np.flatnonzero(cm >= bound)  # the candidate chunks, by row
