@@ -356,6 +356,38 @@ def test_the_chunk_search_on_cpu_equals_the_tensor_ops(n, L, chunks, spread, see
     assert torch.equal(got[0][ok].view(torch.int32), want[0][ok].view(torch.int32))  # bit for bit
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_top_k_cut_on_cpu_equals_the_tensor_ops(seed):  # NumPy's steps, ATen's: the same Part bit for bit
+    from specsampler.params import RowParams
+    from specsampler.sampling.filters import _cut_part_on_cpu, _cut_with_mass, _part_in_id_order
+
+    g = torch.Generator().manual_seed(seed)
+    r, C = 9, [1, 2, 50, 64, 130][seed % 5]
+    x = torch.randn(r, C, generator=g) * (1 + seed % 4) * 3
+    if seed % 3 == 0:
+        x = torch.randint(-2, 3, (r, C), generator=g).float()  # ties: equal weights, ids out of order
+    ids = torch.stack([torch.randperm(10_000, generator=g)[:C] for _ in range(r)])
+    vals, order = x.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    w = torch.exp2(vals - vals[:, :1]).clamp(max=1.0)
+    w[1, C // 2:] = 0.0  # a row's k below the candidates': zeros after it
+    w[2] = 0.0  # no mass
+    if seed % 4 == 1:  # out of (weight desc, id asc) order
+        w[3] = w[3].flip(0)
+    top_p = torch.rand(r, generator=g).clamp(min=0.05)
+    top_p[0] = 1.0
+    min_p = torch.rand(r, generator=g) * (seed % 2) * 0.3
+    for shared in (None, SP(top_p=0.7)):
+        rp = RowParams(torch.ones(r), torch.full((r,), C), top_p if shared is None else torch.full((r,), 0.7),
+                       min_p if shared is None else torch.zeros(r), shared)
+        want = _part_in_id_order(None, ids, *_cut_with_mass(w, ids, rp))
+        got = _cut_part_on_cpu(None, ids, w, rp)
+        assert torch.equal(got.ids, want.ids)
+        assert torch.equal(got.probs.view(torch.int32), want.probs.view(torch.int32))
+    w[4, 0] = float("nan")
+    assert _cut_part_on_cpu(None, ids, w, rp) is None  # NaN: the tensor ops
+
+
 @pytest.mark.parametrize("V", [7, 5000, 128256])
 def test_an_empty_ordered_prefix(V):
     from specsampler.sampling.processing import ordered_prefix

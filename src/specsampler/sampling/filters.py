@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..params import RowParams
 from .distributions import Part, _take
 from .greedy import nan_as_minus_inf
-from .masses import divide_by_, masses, row_mass, top_p_target
+from .masses import MASS_BITS, divide_by_, masses, row_mass, top_p_target
 from .rounding import _VECTOR_BODY, in_vector_body
 from .scratch import SCRATCH
 from .topk import ordered_prefix
@@ -169,7 +170,45 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     if not isinstance(keep_n, int) or keep_n < w.shape[1]:  # candidates past a row's k: weight 0
         keep_n = keep_n if isinstance(keep_n, int) else keep_n[:, None]
         w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n, w, 0.0)
-    return _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))
+    part = _cut_part_on_cpu(rows, ids, w, rp) if w.device.type == "cpu" else None
+    return part if part is not None else _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))
+
+
+def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams) -> Part | None:
+    """``_part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))`` on CPU, the same arithmetic in NumPy: on a
+    few dozen candidates a row its ops cost a fraction of ATen's, and each is exact (integers in float64, one
+    float32 division), so the numbers are the same (tested). None where a weight is NaN (a temperature so small
+    that ``log2(e) / T`` overflows): NaN orders otherwise in NumPy's sorts.
+
+    w: float32 ``[r, C]``, weights in [0, 1] in (logit desc, id asc) order; ids: int64, distinct in a row."""
+    wn, idn = w.numpy(), ids.numpy()
+    if np.isnan(wn).any():
+        return None
+    m = np.floor(np.clip(wn, 0.0, 1.0) * np.float32(2.0**MASS_BITS)).astype(np.float64)  # masses.masses
+    keep = None
+    if not rp.all_equal("top_p", 1):  # prefix_keep against masses.top_p_target
+        top_p = rp.top_p.numpy()
+        z = m.sum(-1)
+        target = np.minimum(np.ceil(top_p.astype(np.float64) * z), z)[:, None]
+        a, b = wn[:, :-1], wn[:, 1:]
+        if ((b > a) | ((b == a) & (idn[:, 1:] < idn[:, :-1]))).any():  # not in (weight desc, id asc) order
+            by_id = np.argsort(idn, axis=-1)
+            order = np.take_along_axis(by_id, np.argsort(-np.take_along_axis(wn, by_id, -1), -1, kind="stable"), -1)
+            m_in_order = np.take_along_axis(m, order, -1)
+            keep = np.empty(wn.shape, dtype=bool)
+            np.put_along_axis(keep, order, np.cumsum(m_in_order, -1) - m_in_order < target, -1)
+        else:
+            keep = np.cumsum(m, -1) - m < target
+        keep |= (top_p >= 1)[:, None]
+    if not rp.all_equal("min_p", 0):
+        above = wn >= rp.min_p.numpy()[:, None] * wn[:, :1]
+        keep = above if keep is None else keep & above
+    kept, mass = (wn, m) if keep is None else (np.where(keep, wn, np.float32(0.0)), np.where(keep, m, 0.0))
+    mass = mass.sum(-1, keepdims=True)
+    # masses.divide_by_: the row's mass as a float32 weight (rounded once), rows without mass 0
+    probs = kept / np.where(mass > 0, (mass / 2.0**MASS_BITS).astype(np.float32), np.float32(np.inf))
+    by_id = np.argsort(idn, axis=-1) + np.arange(idn.shape[0])[:, None] * idn.shape[1]  # flat indices, in id order
+    return Part(rows, torch.from_numpy(idn.reshape(-1)[by_id]), torch.from_numpy(probs.reshape(-1)[by_id]))
 
 
 def _plain_part(rows, x, rp, logits) -> Part:
