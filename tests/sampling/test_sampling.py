@@ -388,6 +388,23 @@ def test_the_top_k_cut_on_cpu_equals_the_tensor_ops(seed):  # NumPy's steps, ATe
     assert _cut_part_on_cpu(None, ids, w, rp) is None  # NaN: the tensor ops
 
 
+@pytest.mark.parametrize("C", [2, 3, 50, 700, 1023])
+def test_the_draw_of_few_candidates_on_cpu_equals_sample_by_inversion(C):  # NumPy's steps, the masses' module
+    from specsampler.sampling.distributions import _invert_on_cpu
+    from specsampler.sampling.masses import sample_by_inversion
+
+    g = torch.Generator().manual_seed(C)
+    for _ in range(40):
+        p = torch.rand(16, C, generator=g) ** 4
+        p[p < 0.3] = 0.0
+        p[0] = 0.0  # no mass
+        p[1, 0] = float("nan")
+        p[2] = p[2] / p[2].sum()
+        u = torch.rand(16, generator=g)
+        u[:2] = torch.tensor([0.0, 1 - 2**-24])
+        assert torch.equal(_invert_on_cpu(p, u), sample_by_inversion(p, u))
+
+
 @pytest.mark.parametrize("V", [7, 5000, 128256])
 def test_an_empty_ordered_prefix(V):
     from specsampler.sampling.processing import ordered_prefix
