@@ -326,6 +326,85 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         assert vals[b].tolist() == scores[b, expected].tolist()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    L=st.sampled_from([4, 8, 64]),
+    chunks=st.integers(14, 60),
+    spread=st.sampled_from([0, 2, 1000]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_chunk_search_on_cpu_equals_the_tensor_ops(n, L, chunks, spread, seed):  # NumPy's steps, ATen's
+    from specsampler.sampling.topk import _prefix_among_chunks, _prefix_among_chunks_on_cpu
+
+    assume(4 * (n + 2) <= chunks)
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-spread, spread + 1, (7, chunks * L), generator=g).float()
+    scores[0, : L * 3] = -float("inf")  # masked tokens
+    scores[1, ::5] = -0.0  # ties of signed zeros
+    scores[2, [1, L + 2]] = float("nan")
+    scores[3, [0, 5 * L]] = float("inf")
+    scores[4] = -float("inf")
+    scores[4, : n - 1] = 1.0  # fewer than n finite
+    scores[5] = scores[5] * 1e-3 + torch.randn(chunks * L, generator=g)
+    view = scores.view(7, chunks, L)
+    want = _prefix_among_chunks(view, view.amax(-1), n)
+    got = _prefix_among_chunks_on_cpu(view, view.amax(-1), n)
+    assert torch.equal(got[2], want[2])  # the rows falling back to a whole-row top-k
+    ok = ~want[2]
+    assert torch.equal(got[1][ok], want[1][ok])
+    assert torch.equal(got[0][ok].view(torch.int32), want[0][ok].view(torch.int32))  # bit for bit
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_top_k_cut_on_cpu_equals_the_tensor_ops(seed):  # NumPy's steps, ATen's: the same Part bit for bit
+    from specsampler.params import RowParams
+    from specsampler.sampling.filters import _cut_part_on_cpu, _cut_with_mass, _part_in_id_order
+
+    g = torch.Generator().manual_seed(seed)
+    r, C = 9, [1, 2, 50, 64, 130][seed % 5]
+    x = torch.randn(r, C, generator=g) * (1 + seed % 4) * 3
+    if seed % 3 == 0:
+        x = torch.randint(-2, 3, (r, C), generator=g).float()  # ties: equal weights, ids out of order
+    ids = torch.stack([torch.randperm(10_000, generator=g)[:C] for _ in range(r)])
+    vals, order = x.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    w = torch.exp2(vals - vals[:, :1]).clamp(max=1.0)
+    w[1, C // 2:] = 0.0  # a row's k below the candidates': zeros after it
+    w[2] = 0.0  # no mass
+    if seed % 4 == 1:  # out of (weight desc, id asc) order
+        w[3] = w[3].flip(0)
+    top_p = torch.rand(r, generator=g).clamp(min=0.05)
+    top_p[0] = 1.0
+    min_p = torch.rand(r, generator=g) * (seed % 2) * 0.3
+    for shared in (None, SP(top_p=0.7)):
+        rp = RowParams(torch.ones(r), torch.full((r,), C), top_p if shared is None else torch.full((r,), 0.7),
+                       min_p if shared is None else torch.zeros(r), shared)
+        want = _part_in_id_order(None, ids, *_cut_with_mass(w, ids, rp))
+        got = _cut_part_on_cpu(None, ids, w, rp)
+        assert torch.equal(got.ids, want.ids)
+        assert torch.equal(got.probs.view(torch.int32), want.probs.view(torch.int32))
+    w[4, 0] = float("nan")
+    assert _cut_part_on_cpu(None, ids, w, rp) is None  # NaN: the tensor ops
+
+
+@pytest.mark.parametrize("C", [2, 3, 50, 700, 1023])
+def test_the_draw_of_few_candidates_on_cpu_equals_sample_by_inversion(C):  # NumPy's steps, the masses' module
+    from specsampler.sampling.distributions import _invert_on_cpu
+    from specsampler.sampling.masses import sample_by_inversion
+
+    g = torch.Generator().manual_seed(C)
+    for _ in range(40):
+        p = torch.rand(16, C, generator=g) ** 4
+        p[p < 0.3] = 0.0
+        p[0] = 0.0  # no mass
+        p[1, 0] = float("nan")
+        p[2] = p[2] / p[2].sum()
+        u = torch.rand(16, generator=g)
+        u[:2] = torch.tensor([0.0, 1 - 2**-24])
+        assert torch.equal(_invert_on_cpu(p, u), sample_by_inversion(p, u))
+
+
 @pytest.mark.parametrize("V", [7, 5000, 128256])
 def test_an_empty_ordered_prefix(V):
     from specsampler.sampling.processing import ordered_prefix

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..params import RowParams
 from .distributions import Part, _take
 from .greedy import nan_as_minus_inf
-from .masses import divide_by_, masses, row_mass, top_p_target
+from .masses import MASS_BITS, divide_by_, masses, row_mass, top_p_target
 from .rounding import _VECTOR_BODY, in_vector_body
 from .scratch import SCRATCH
 from .topk import ordered_prefix
@@ -63,20 +64,21 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     if not logits:
         w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
         return torch.ldexp(w, -torch.frexp(w.amax(-1, keepdim=True)).exponent, out=w) if w.numel() else w
-    finite = torch.isfinite(top)
-    top = torch.where(finite, top, 0.0)
     c = torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
-    torch.mul(vals, float(c[0]) if shared and c.numel() else c, out=w).sub_(top * c)
+    tc = top * c
+    torch.mul(vals, float(c[0]) if shared and c.numel() else c, out=w).sub_(tc)
     # at most 1 (the masses need it: x * c - top * c may round above 0); the few values past n are not read
     buf.exp2_().clamp_(max=1.0)
+    if bool((tc.abs() < _FAR).all()):  # every top finite and near zero (the usual case): done in one check
+        return w
+    finite = torch.isfinite(top)  # rows without mass: 0 below
+    top = torch.where(finite, top, 0.0)
     # from |top * c| >= 2**24 the products round by more than a unit (1e10 gave a row of zeros, 1e15 NaN): such
     # rows subtract first, exactly as the kernels do
     far = (top * c).abs()[:, 0] >= _FAR
     if bool(far.any()):
         w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
-    if not bool(finite.all()):
-        w.masked_fill_(~finite, 0.0)
-    return w
+    return w.masked_fill_(~finite, 0.0)
 
 
 def _normalise_(w: Tensor) -> Tensor:
@@ -108,24 +110,40 @@ def _cut_candidates(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = No
     w: float32 ``[r, C]`` in (logit desc, id asc) order (the first the largest), ids: their ids. Returns the
     kept weights.
     """
-    z = row_mass(w) if z is None else z
-    keep = (rp.top_p >= 1)[:, None] | prefix_keep(w, ids, top_p_target(rp.top_p, z))
-    keep &= w >= rp.min_p[:, None] * w[:, :1]
-    return torch.where(keep, w, 0.0)
+    return _cut_with_mass(w, ids, rp, z)[0]
 
 
-def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool) -> Tensor:
-    """:func:`_weights` of candidates ``[r, C]`` in (logit desc, id asc) order (the first the
-    row's top), C padded to whole vector iterations: C is the widest row's of the batch."""
-    return in_vector_body(lambda v: _weights(v, v[:, :1], temperature, logits), vals)
+def _cut_with_mass(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`_cut_candidates`, also returning the kept weights' row masses float64 ``[r, 1]`` (the candidates'
+    masses are taken once, for the cut and the normalisation alike)."""
+    m = masses(w)
+    keep = None
+    if not rp.all_equal("top_p", 1):
+        z = m.sum(-1) if z is None else z  # the exact row mass (row_mass)
+        keep = (rp.top_p >= 1)[:, None] | prefix_keep(w, ids, top_p_target(rp.top_p, z), m)
+    if not rp.all_equal("min_p", 0):  # min-p 0 keeps every weight (all in [0, 1])
+        above = w >= rp.min_p[:, None] * w[:, :1]
+        keep = above if keep is None else keep & above
+    if keep is None:
+        return w.clone(), m.sum(-1, keepdim=True)
+    return torch.where(keep, w, 0.0), torch.where(keep, m, 0.0).sum(-1, keepdim=True)
 
 
-def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor) -> Part:
+def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool, shared: bool = False) -> Tensor:
+    """:func:`_weights` of candidates ``[r, C]`` in (logit desc, id asc) order (the first the row's top). C is
+    the widest row's of the batch: the exponential's rounding does not see it, as every value is in the vector
+    body of :func:`_weights`'s buffer. ``shared``: every row's temperature is the same."""
+    return _weights(vals, vals[:, :1], temperature, logits, shared=shared)
+
+
+def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor, mass: Tensor | None = None) -> Part:
     """The candidates ``ids`` with their kept ``weights`` (in (logit desc, id asc) order: the kept
     ones first), normalised in that order, where a row's sum does not see how many candidates
-    the widest row of the batch took, then put in id order."""
+    the widest row of the batch took, then put in id order. ``mass``: the kept weights' row masses
+    ``[r, 1]`` when the caller has them (:func:`_cut_with_mass`)."""
     ids, perm = ids.sort(dim=-1)
-    return Part(rows, ids, _normalise_(weights).gather(1, perm))
+    mass = row_mass(weights, keepdim=True) if mass is None else mass
+    return Part(rows, ids, divide_by_(weights, mass).gather(1, perm))
 
 
 def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
@@ -138,13 +156,59 @@ def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | No
 
 def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
-    keep_n = torch.where(greedy, 1, rp.top_k)
-    if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
-        x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
-    vals, ids = ordered_prefix(x, max(min_candidates, int(keep_n.max())))
-    w = _candidate_weights(vals, torch.where(greedy, 1.0, rp.temperature), logits)
-    w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n[:, None], w, 0.0)
-    return _part_in_id_order(rows, ids, _cut_candidates(w, ids, rp))
+    shared = rp.shared  # every row's parameters, known on the host: no reads of the tensors
+    if shared is not None and not (logits and shared.temperature == 0):  # every row top-k: shared.top_k of them
+        keep_n = k = int(shared.top_k)
+        temperature = rp.temperature
+    else:
+        keep_n = torch.where(greedy, 1, rp.top_k)
+        if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
+            x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
+        temperature, k = torch.where(greedy, 1.0, rp.temperature), int(keep_n.max())
+    vals, ids = ordered_prefix(x, max(min_candidates, k))
+    w = _candidate_weights(vals, temperature, logits, shared=isinstance(keep_n, int))
+    if not isinstance(keep_n, int) or keep_n < w.shape[1]:  # candidates past a row's k: weight 0
+        keep_n = keep_n if isinstance(keep_n, int) else keep_n[:, None]
+        w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n, w, 0.0)
+    part = _cut_part_on_cpu(rows, ids, w, rp) if w.device.type == "cpu" else None
+    return part if part is not None else _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))
+
+
+def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams) -> Part | None:
+    """``_part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))`` on CPU, the same arithmetic in NumPy: on a
+    few dozen candidates a row its ops cost a fraction of ATen's, and each is exact (integers in float64, one
+    float32 division), so the numbers are the same (tested). None where a weight is NaN (a temperature so small
+    that ``log2(e) / T`` overflows): NaN orders otherwise in NumPy's sorts.
+
+    w: float32 ``[r, C]``, weights in [0, 1] in (logit desc, id asc) order; ids: int64, distinct in a row."""
+    wn, idn = w.numpy(), ids.numpy()
+    if np.isnan(wn).any():
+        return None
+    m = np.floor(np.clip(wn, 0.0, 1.0) * np.float32(2.0**MASS_BITS)).astype(np.float64)  # masses.masses
+    keep = None
+    if not rp.all_equal("top_p", 1):  # prefix_keep against masses.top_p_target
+        top_p = rp.top_p.numpy()
+        z = m.sum(-1)
+        target = np.minimum(np.ceil(top_p.astype(np.float64) * z), z)[:, None]
+        a, b = wn[:, :-1], wn[:, 1:]
+        if ((b > a) | ((b == a) & (idn[:, 1:] < idn[:, :-1]))).any():  # not in (weight desc, id asc) order
+            by_id = np.argsort(idn, axis=-1)
+            order = np.take_along_axis(by_id, np.argsort(-np.take_along_axis(wn, by_id, -1), -1, kind="stable"), -1)
+            m_in_order = np.take_along_axis(m, order, -1)
+            keep = np.empty(wn.shape, dtype=bool)
+            np.put_along_axis(keep, order, np.cumsum(m_in_order, -1) - m_in_order < target, -1)
+        else:
+            keep = np.cumsum(m, -1) - m < target
+        keep |= (top_p >= 1)[:, None]
+    if not rp.all_equal("min_p", 0):
+        above = wn >= rp.min_p.numpy()[:, None] * wn[:, :1]
+        keep = above if keep is None else keep & above
+    kept, mass = (wn, m) if keep is None else (np.where(keep, wn, np.float32(0.0)), np.where(keep, m, 0.0))
+    mass = mass.sum(-1, keepdims=True)
+    # masses.divide_by_: the row's mass as a float32 weight (rounded once), rows without mass 0
+    probs = kept / np.where(mass > 0, (mass / 2.0**MASS_BITS).astype(np.float32), np.float32(np.inf))
+    by_id = np.argsort(idn, axis=-1) + np.arange(idn.shape[0])[:, None] * idn.shape[1]  # flat indices, in id order
+    return Part(rows, torch.from_numpy(idn.reshape(-1)[by_id]), torch.from_numpy(probs.reshape(-1)[by_id]))
 
 
 def _plain_part(rows, x, rp, logits) -> Part:
