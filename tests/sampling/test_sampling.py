@@ -389,9 +389,8 @@ def test_the_top_k_cut_on_cpu_equals_the_tensor_ops(seed):  # NumPy's steps, ATe
 
 
 @pytest.mark.parametrize("C", [2, 3, 50, 700, 1023])
-def test_the_draw_of_few_candidates_on_cpu_equals_sample_by_inversion(C):  # NumPy's steps, the masses' module
-    from specsampler.sampling.distributions import _invert_on_cpu
-    from specsampler.sampling.masses import sample_by_inversion
+def test_the_draw_of_few_candidates_on_cpu_equals_the_tensor_ops(C):  # NumPy's steps, ATen's
+    from specsampler.sampling.masses import _invert_few, _invert_few_on_cpu, draw_target, invert, masses
 
     g = torch.Generator().manual_seed(C)
     for _ in range(40):
@@ -402,7 +401,9 @@ def test_the_draw_of_few_candidates_on_cpu_equals_sample_by_inversion(C):  # Num
         p[2] = p[2] / p[2].sum()
         u = torch.rand(16, generator=g)
         u[:2] = torch.tensor([0.0, 1 - 2**-24])
-        assert torch.equal(_invert_on_cpu(p, u), sample_by_inversion(p, u))
+        cum = masses(p).cumsum(-1)
+        want = invert(cum, draw_target(u, cum[:, -1]))  # the definition over the prefix sums
+        assert torch.equal(_invert_few_on_cpu(p, u), want) and torch.equal(_invert_few(p, u), want)
 
 
 @pytest.mark.parametrize("V", [7, 5000, 128256])

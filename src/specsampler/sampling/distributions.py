@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from .masses import MASS_BITS, sample_by_inversion
+from .masses import sample_by_inversion
 from .rounding import in_vector_body
 from .topk import ordered_prefix
 
@@ -40,8 +39,6 @@ class Part:
     def sample(self, u: Tensor) -> Tensor:
         if self.ids is not None and self.ids.shape[1] == 1:  # one candidate: it is the draw
             return self.ids[:, 0]
-        if self.ids is not None and self.probs.device.type == "cpu" and self.probs.shape[1] < _FEW:
-            return self.ids.gather(1, _invert_on_cpu(self.probs, u)[:, None])[:, 0]
         idx = sample_by_inversion(self.probs, u)
         return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
 
@@ -125,20 +122,6 @@ class Processed:
     def top(self, n: int) -> tuple[Tensor, Tensor]:
         """The ``n`` most likely tokens per row: ids int64 ``[R, n]`` (-1 past the support), logprobs."""
         return self._per_row(lambda part: part.top(n))
-
-
-_FEW = 1024  # candidates a row drawn by _invert_on_cpu (sample_by_inversion's own exact pass stops there too)
-
-
-def _invert_on_cpu(probs: Tensor, u: Tensor) -> Tensor:
-    """:func:`sample_by_inversion` of a few candidates a row (float32 ``[r, C]``, ``u`` float32 ``[r]``) in NumPy:
-    the same exact masses and target (integers in float64), in fewer, cheaper ops. int64 ``[r]``."""
-    m = np.floor(np.clip(np.nan_to_num(probs.numpy(), nan=0.0), 0.0, 1.0) * np.float32(2.0**MASS_BITS))
-    cum = np.cumsum(m.astype(np.float64), -1)
-    z = cum[:, -1:]
-    t = np.maximum(np.minimum(np.floor(np.clip(u.numpy().astype(np.float64), 0.0, 1.0)[:, None] * z), z - 1), 0)
-    # the first column whose cumulative mass exceeds t (t < Z: one of positive mass); a row without mass: 0
-    return torch.from_numpy(np.where(z[:, 0] > 0, (cum <= t).sum(-1), 0))
 
 
 def _take(t: Tensor, rows: Tensor | None) -> Tensor:

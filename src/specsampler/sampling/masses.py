@@ -12,6 +12,7 @@ the row's scale is never drawn (a 24-bit uniform resolves ``2**-24`` of a row in
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,11 +117,27 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
     R, C = weights.shape
     if C == 0 or R == 0:
         return torch.zeros(R, dtype=torch.int64, device=weights.device)
-    if C < 4 * _CHUNK:
-        cum = masses(weights, "draw masses").cumsum(-1)
-        z = cum[:, -1]
-        return torch.where(z > 0, _first_above(cum, draw_target(u, z)), 0)  # t < Z: a column of positive mass
-    return _draw_certified(weights, u)
+    if C >= 4 * _CHUNK:
+        return _draw_certified(weights, u)
+    return (_invert_few_on_cpu if weights.device.type == "cpu" else _invert_few)(weights, u)
+
+
+def _invert_few(weights: Tensor, u: Tensor) -> Tensor:
+    """:func:`sample_by_inversion` of rows under 1024 columns: over all their exact masses. int64 ``[R]``."""
+    cum = masses(weights, "draw masses").cumsum(-1)
+    z = cum[:, -1]
+    return torch.where(z > 0, _first_above(cum, draw_target(u, z)), 0)  # t < Z: a column of positive mass
+
+
+def _invert_few_on_cpu(weights: Tensor, u: Tensor) -> Tensor:
+    """:func:`_invert_few` on CPU, the same steps in NumPy: the same masses and target (exact integers in
+    float64), in ops that cost a fraction of ATen's on a few candidates a row (tested equal). int64 ``[R]``."""
+    m = np.floor(np.clip(np.nan_to_num(weights.float().numpy(), nan=0.0), 0.0, 1.0) * np.float32(_ONE))
+    cum = np.cumsum(m.astype(np.float64), -1)
+    z = cum[:, -1:]
+    t = np.maximum(np.minimum(np.floor(np.clip(u.numpy().astype(np.float64), 0.0, 1.0)[:, None] * z), z - 1), 0)
+    # the first column whose cumulative mass exceeds t (t < Z: one of positive mass); a row without mass: 0
+    return torch.from_numpy(np.where(z[:, 0] > 0, (cum <= t).sum(-1), 0))
 
 
 def _sum_error(n: int) -> float:
