@@ -53,9 +53,10 @@ def in_vector_body(fn, t: Tensor) -> Tensor:
     ATen's CPU loops round these (and fused multiply-adds) one way in their vectorised body
     and another in the scalar tail of a loop, and where a value falls depends on the batch
     when its place in the tensor does: a request's log-probability among the others' (the
-    weights of :func:`.filters._weights` are computed in a buffer of whole iterations instead). Padded, every value is in the body. (A loop
-    over 32768 values or more is split across threads; with two, the split falls on the
-    vector grid too; with more it may not, and a few values at a split can round otherwise.)
+    weights of :func:`.filters._weights` are computed in a buffer of whole iterations instead).
+    Padded, every value is in the body. (A loop over 32768 values or more is split across
+    threads; with two, the split falls on the vector grid too; with more it may not, and a few
+    values at a split can round otherwise.)
     """
     if t.device.type != "cpu":
         return fn(t)
