@@ -162,20 +162,24 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
 
     w: float32 ``[R, C]``. Returns float64 ``lo``, ``hi`` ``[R, ceil(C / 256)]`` (integers, ``lo <= mass <=
     hi``; NaN for a chunk holding a NaN) and the masses float32 ``[R, C]`` (exact integers, NaN where ``w``
-    is; in the named scratch buffer). Each chunk's masses are summed in float32 by groups of 16 values, each sum
-    within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
+    is; in the named scratch buffer). Each chunk's masses are summed in float32 by groups of 16 values (16 apart
+    in the chunk: the sums add whole slices of it, a vectorised read; consecutive in a last, partial chunk), each
+    sum within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
     integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
     R, C = w.shape
     f = torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
                     else SCRATCH.get(scratch, w.shape, torch.float32, w.device)).mul_(_ONE).floor_()
-    full = C - C % _GROUP
-    sums = f[:, :full].unflatten(1, (full // _GROUP, _GROUP)).sum(-1)
+    full = C - C % _CHUNK
+    # float64 sums of the groups' sums: exact (integers below 2**53)
+    s = f[:, :full].view(R, full // _CHUNK, _GROUP, _CHUNK // _GROUP).sum(2).double().sum(-1)
     if full < C:
-        sums = torch.cat([sums, f[:, full:].sum(-1, keepdim=True)], 1)
-    g = _sum_error(_GROUP)
-    s = torch.nn.functional.pad(sums.double(), (0, -sums.shape[1] % (_CHUNK // _GROUP)))
-    s = s.view(R, -1, _CHUNK // _GROUP).sum(-1)  # float64: exact (integers below 2**53)
-    lo, hi = _exact_sum_bounds(s, g, 2.0**-50)
+        tail = f[:, full:]
+        whole = tail.shape[1] - tail.shape[1] % _GROUP
+        sums = tail[:, :whole].unflatten(1, (whole // _GROUP, _GROUP)).sum(-1)
+        if whole < tail.shape[1]:
+            sums = torch.cat([sums, tail[:, whole:].sum(-1, keepdim=True)], 1)
+        s = torch.cat([s, sums.double().sum(-1, keepdim=True)], 1)
+    lo, hi = _exact_sum_bounds(s, _sum_error(_GROUP), 2.0**-50)
     return lo, hi, f
 
 
