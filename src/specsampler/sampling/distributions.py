@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .masses import sample_by_inversion
+from .masses import invert_few_on_cpu, sample_by_inversion
 from .rounding import in_vector_body
 from .topk import ordered_prefix
 
@@ -39,7 +39,8 @@ class Part:
     def sample(self, u: Tensor) -> Tensor:
         if self.ids is not None and self.ids.shape[1] == 1:  # one candidate: it is the draw
             return self.ids[:, 0]
-        idx = sample_by_inversion(self.probs, u)
+        few = self.ids is not None and self.probs.device.type == "cpu" and self.probs.shape[1] < 1024
+        idx = (invert_few_on_cpu if few else sample_by_inversion)(self.probs, u)
         return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
 
     def prob(self, tokens: Tensor) -> Tensor:

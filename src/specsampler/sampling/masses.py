@@ -119,7 +119,7 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
         return torch.zeros(R, dtype=torch.int64, device=weights.device)
     if C >= 4 * _CHUNK:
         return _draw_certified(weights, u)
-    return (_invert_few_on_cpu if weights.device.type == "cpu" else _invert_few)(weights, u)
+    return _invert_few(weights, u)
 
 
 def _invert_few(weights: Tensor, u: Tensor) -> Tensor:
@@ -129,9 +129,11 @@ def _invert_few(weights: Tensor, u: Tensor) -> Tensor:
     return torch.where(z > 0, _first_above(cum, draw_target(u, z)), 0)  # t < Z: a column of positive mass
 
 
-def _invert_few_on_cpu(weights: Tensor, u: Tensor) -> Tensor:
-    """:func:`_invert_few` on CPU, the same steps in NumPy: the same masses and target (exact integers in
-    float64), in ops that cost a fraction of ATen's on a few candidates a row (tested equal). int64 ``[R]``."""
+def invert_few_on_cpu(weights: Tensor, u: Tensor) -> Tensor:
+    """:func:`sample_by_inversion` of rows under 1024 columns on CPU, :func:`_invert_few`'s steps in NumPy: the same
+    masses and target (exact integers in float64), tested equal. Cheaper on a batch's candidate parts (a few dozen
+    values a row, many rows); on a lone row of a short vocabulary between a model's forwards, ATen's steps are
+    (measured in the generation loop), so only the candidate parts take it. int64 ``[R]``."""
     m = np.floor(np.clip(np.nan_to_num(weights.float().numpy(), nan=0.0), 0.0, 1.0) * np.float32(_ONE))
     cum = np.cumsum(m.astype(np.float64), -1)
     z = cum[:, -1:]
