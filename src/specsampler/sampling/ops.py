@@ -311,8 +311,8 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     w, order = torch.sort(w, dim=-1, descending=True, stable=True)
     m = w.double().mul_(2.0**MASS_BITS).floor_()  # masses.masses() of weights in [0, 1]
     cum = m.cumsum(-1)
-    z = cum[:, -1:]
-    keep = (cum - m) < torch.minimum(torch.ceil(top_p * z), z)  # masses.top_p_target
+    # masses.top_p_target: ceil(top_p * Z), at most Z already (top_p < 1 and Z an integer)
+    keep = (cum - m) < torch.ceil(top_p * cum[:, -1:])
     # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero),
     # as a float32 weight (masses.as_weight: a power-of-two scale of the float32 rounding)
     kept = torch.where(keep, w, 0.0).div_(torch.where(keep, m, 0.0).sum(-1, keepdim=True).float().mul_(2.0**-MASS_BITS))
