@@ -17,7 +17,6 @@ from .distributions import Part, _take
 from .greedy import nan_as_minus_inf
 from .masses import MASS_BITS, divide_by_, masses, row_mass, top_p_target
 from .rounding import _VECTOR_BODY, in_vector_body
-from .scratch import SCRATCH
 from .topk import ordered_prefix
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -41,10 +40,11 @@ def _within(outer: Tensor | None, inner: Tensor | None) -> Tensor | None:
 
 
 def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, shared: bool = False,
-             scratch: str | None = None) -> Tensor:
+             out: Tensor | None = None) -> Tensor:
     """Unnormalised probabilities, at most 1: ``exp((x - top) / T)`` for logits, else x (negative or NaN
     probabilities count as 0) times the power of two that brings the row's largest into [0.5, 1) (exact: the
-    masses of :mod:`.masses` need weights in [0, 1]); a new tensor, or in the named scratch buffer.
+    masses of :mod:`.masses` need weights in [0, 1]); a new tensor, or at the start of ``out`` (a flat float32
+    buffer of at least the values rounded up to a multiple of 64, which the exponential overwrites).
 
     From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32): a
     multiply and a subtraction (not fused: ATen fuses them in its vectorised loop only, so a
@@ -58,8 +58,7 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     """
     n = vals.numel()
     whole = -(-n // _VECTOR_BODY) * _VECTOR_BODY
-    buf = torch.empty(whole, device=vals.device) if scratch is None else SCRATCH.get(scratch, (whole,), torch.float32,
-                                                                                     vals.device)
+    buf = torch.empty(whole, device=vals.device) if out is None else out[:whole]
     w = buf[:n].view(vals.shape)
     if not logits:
         w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)

@@ -24,6 +24,7 @@ from .filters import (
     _within,
 )
 from .masses import as_weight, mass_interval, masses, row_mass, top_p_target
+from .rounding import _VECTOR_BODY
 from .scratch import SCRATCH
 from .topk import _by_row, _chunk_len, _positions, ordered_prefix
 
@@ -122,21 +123,19 @@ def _weights_and_bounds(x: Tensor, rp: RowParams, logits: bool) -> tuple[Tensor 
     r, V = x.shape
     L = _chunk_len(V) if x.is_contiguous() else 0
     step = max(1, _WEIGHTS_BLOCK // max(V, 1))
-    w = None if step >= r else SCRATCH.get("nucleus weights", (r, V), torch.float32, x.device)
+    # each block's weights in place in one buffer (the exponential's padding runs into the next block's rows,
+    # written after it, and past the last into the buffer's own padding)
+    flat = SCRATCH.get("weights", (r * V + _VECTOR_BODY,), torch.float32, x.device)
     out = []
     for s in range(0, r, step):
         xb = x[s:s + step]
         chunk_max = xb.view(xb.shape[0], V // L, L).amax(-1) if L else None
         top, best = _max(xb, chunk_max)
         temperature = rp.temperature[s:s + step]
-        wb = _weights(xb, top[:, None], temperature, logits, shared=rp.shared is not None, scratch="weights")
+        wb = _weights(xb, top[:, None], temperature, logits, shared=rp.shared is not None, out=flat[s * V:])
         out.append((chunk_max, best, *mass_interval(wb)))
-        if w is None:
-            w = wb
-        else:
-            w[s:s + step] = wb
     chunk_max, best, lo, hi = (None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
-    return chunk_max, best, w, lo, hi
+    return chunk_max, best, flat[:r * V].view(r, V), lo, hi
 
 
 class _Target:
