@@ -330,8 +330,7 @@ def _counted_nuclei(rows, w: Tensor, rp: RowParams, w_max: Tensor) -> list[Part]
     r, V = w.shape
     digit, hist, base = _first_digit(w)
     target = top_p_target(rp.top_p, hist.sum(-1))
-    above = torch.zeros(r, dtype=torch.float64, device=w.device)
-    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
+    crossing, above = _first_crossing(hist, target)
     bins = torch.arange(_RADIX_KEYS, dtype=torch.int32, device=w.device)
     lowest = ((base + bins) << _RADIX_SHIFT).clamp_(min=0).view(torch.float32)  # each bin's lowest weight
     count = torch.where(hist > 0, as_weight(hist) / lowest, 0.0)  # at least each bin's tokens
@@ -400,6 +399,13 @@ def _cross(mass: Tensor, above: Tensor, target: Tensor) -> Tensor:
     return (k - 1) - j[:, 0]
 
 
+def _first_crossing(hist: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_cross` on the first digit's histogram ``[r, 2048]``: the crossing bin int32 ``[r, 1]`` and the mass
+    of the bins above it, float64 ``[r]``."""
+    above = torch.zeros(hist.shape[0], dtype=torch.float64, device=hist.device)
+    return _cross(hist, above, target).to(torch.int32)[:, None], above
+
+
 def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None, m: Tensor | None = None) -> Tensor:
     """``w`` with each row's weights zeroed outside the smallest prefix of the (weight desc,
     position asc) order whose exact mass (:mod:`.masses`) reaches ``target`` (all of them kept if none does).
@@ -414,8 +420,7 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None, m: Tensor 
     (:func:`~.masses.masses`) when the caller has them.
     """
     digit, hist, _ = _first_digit(w, m)
-    above = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
-    crossing = _cross(hist, above, target).to(torch.int32)[:, None]
+    crossing, above = _first_crossing(hist, target)
     return _cut_from(w, digit, crossing, above, target, out)
 
 
