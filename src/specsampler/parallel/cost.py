@@ -131,7 +131,7 @@ def chain_plan(method: str, greedy: bool, rp: RowParams, logits: Tensor, q: Tens
     if method == "target_only":
         rounds += [_draw(dense)] if dense else []
     else:
-        rounds += ([2 * _b(B * (K if method == "block" else 1), 8)] if K else []) + [_draw(B)]
+        rounds += ([_b(B * (K if method == "block" else 1), 8)] if K else []) + [_draw(B)]
     return _rounds(rounds), gather
 
 

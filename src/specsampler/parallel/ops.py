@@ -164,12 +164,7 @@ def _sample(op, x, rp, rng, num_logprobs, shard) -> SampleOutput:
         rows = yield from process(x.float(), rp, shard, None, num_logprobs)
         return (yield from sample(rows, u, num_logprobs, shard))
 
-    if B == 0:
-        tokens, probs = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, device=dev)
-        top_ids, top_p = torch.zeros(0, num_logprobs, dtype=torch.int64, device=dev), torch.zeros(0, num_logprobs,
-                                                                                                   device=dev)
-    else:
-        tokens, probs, top_ids, top_p = run(steps(), shard, dev)
+    tokens, probs, top_ids, top_p = run(steps(), shard, dev)
     logprobs = in_vector_body(torch.log, probs)
     if not num_logprobs:
         return SampleOutput(tokens, logprobs, None, None)

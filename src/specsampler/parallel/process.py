@@ -94,7 +94,8 @@ def _bounded(x: Tensor, rp: RowParams, shard: VocabShard, reads, greedy: Tensor,
     row, ids = reads
     V = shard.vocab_size
     C = min(V, max(min_candidates, int(torch.where(greedy, 1, rp.top_k).max())))
-    x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)  # the greedy choice never takes a NaN
+    if bool(greedy.any()):  # the greedy choice never takes a NaN (two passes over the shard: only for greedy rows)
+        x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
     vals, cand = local_best(x, C, shard, float("-inf"))
     got = yield [vals, cand]
     allv, alli = merged(*got.parts)

@@ -57,7 +57,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
         if K and bool(rejected.any()):  # the residual max(p - q, 0) where a draft was rejected
             q = c.q.flatten(0, 1)[batch * K + n.clamp(max=K - 1)]
             residual = (w - q * rejected[:, None]).clamp_(min=0.0)
-            mass, _ = yield from exact_masses(residual)
+            mass = yield from exact_masses(residual)
             empty = rejected & (mass.sum(0) == 0)  # a residual without mass: draw from p itself
             w = torch.where(empty[:, None], w, residual)
             lo, hi = torch.where(empty[None], lo, mass), torch.where(empty[None], hi, mass)
@@ -66,7 +66,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     # block
     a = block_a(c, p_x, q_x)
     w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0).flatten(0, 1)
-    mass = (yield from exact_masses(w))[0] if K else w.new_zeros(target.lo.shape[0], 0, dtype=torch.float64)
+    mass = (yield from exact_masses(w)) if K else w.new_zeros(target.lo.shape[0], 0, dtype=torch.float64)
     h = block_h(c, a, as_weight(mass.sum(0)).view(B, K))
     pos = torch.arange(K + 1, device=dev)
     tau = torch.where((u_accept < h) | (pos == 0), pos, 0).amax(1)
