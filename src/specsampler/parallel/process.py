@@ -20,11 +20,11 @@ import torch
 from torch import Tensor
 
 from ..params import RowParams
-from ..sampling.distributions import Part
+from ..sampling.distributions import Part, _take
 from ..sampling.filters import _bounded_part, _weights
 from ..sampling.greedy import nan_as_minus_inf
 from ..sampling.masses import divide_by_, masses
-from ..sampling.processing import _kinds
+from ..sampling.processing import _kinds, _rows_of
 from ..sampling.topk import ordered_prefix
 from .argmax import argmax_keys
 from .draws import draw, mass_and_count, normalised_bounds, owned_values
@@ -45,20 +45,23 @@ def process(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     R, size = x.shape
     dev = x.device
     row, ids = reads if reads is not None else (torch.zeros(0, dtype=torch.int64, device=dev),) * 2
-    greedy, bounded, top_p, plain = _kinds(rp.temperature, rp.top_k, rp.top_p, shard.vocab_size, True)
+    on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
+    greedy, bounded, top_p, plain = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, shard.vocab_size, True)
     groups, tasks = [], []
     for fn, kind in ((_bounded, bounded), (nucleus, top_p), (_plain, plain)):
-        rows = kind.nonzero()[:, 0]
-        if not rows.numel():
+        some, rows = _rows_of(kind, R)
+        if not some:
+            continue
+        extra = (_take(torch.as_tensor(greedy, device=dev).expand(R), rows), min_candidates) if fn is _bounded else ()
+        if rows is None:  # every row (the usual case): as they are
+            groups.append((torch.arange(R, device=dev), torch.ones(row.shape, dtype=torch.bool, device=dev)))
+            tasks.append(fn(x, rp, shard, (row, ids), *extra))
             continue
         at = torch.full((R,), -1, dtype=torch.int64, device=dev)
         at[rows] = torch.arange(rows.numel(), device=dev)
         mine = at[row] >= 0  # the reads in these rows
-        extra = (greedy[rows], min_candidates) if fn is _bounded else ()
         groups.append((rows, mine))
-        every = rows.numel() == R
-        tasks.append(fn(x if every else x.index_select(0, rows), rp if every else rp.take(rows), shard,
-                        (at[row[mine]], ids[mine]), *extra))
+        tasks.append(fn(x.index_select(0, rows), rp.take(rows), shard, (at[row[mine]], ids[mine]), *extra))
     results = yield from together(*tasks)
     if len(results) == 1 and groups[0][0].numel() == R:  # rows of one kind (the usual case): as they are
         return results[0] if results[0].part is None else replace(results[0], part_rows=groups[0][0])
