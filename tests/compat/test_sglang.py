@@ -545,6 +545,15 @@ def test_a_slot_shared_by_two_requests_or_outside_predicts_is_a_kernel_check_err
         call(outside)
 
 
+def test_greedy_slots_in_their_own_row_but_past_predicts_are_a_kernel_check_error():
+    """A request's row of retrive_index may run past a short predicts: its slots there would not be written."""
+    candidates, index, first_child, next_sibling = _two_chains()
+    predicts, accept_index, accept_token_num = _outputs(2, 5, 3)  # one slot short of request 1's row
+    with pytest.raises(KernelCheckError, match=r"retrive_index: expected slots in \[3, 5\) \(request 1's\), got 5"):
+        sgl_kernel.verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, index, first_child,
+                                      next_sibling, torch.tensor([[1, 2, 0], [1, 2, 0]]))
+
+
 def test_without_the_value_checks_as_on_a_device_no_request_reads_or_writes_outside_its_own(monkeypatch):
     import specsampler.compat.sglang as module
 

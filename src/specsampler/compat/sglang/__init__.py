@@ -119,9 +119,9 @@ def _check_slots(op: str, index: Tensor, tree: TokenTree, size: int, row: int | 
         return
     B, N = index.shape
     slots, present = index.long(), tree.depth >= 0
-    lo, hi = torch.zeros_like(slots), torch.full_like(slots, size)
-    if row is not None:
-        lo, hi = torch.arange(B)[:, None] * row + lo, torch.arange(1, B + 1)[:, None] * row + lo
+    req = torch.arange(B)[:, None]
+    lo = torch.zeros_like(slots) if row is None else (req * row).expand(B, N)
+    hi = torch.full_like(slots, size) if row is None else ((req + 1) * row).clamp(max=size).expand(B, N)
     bad = present & ((slots < lo) | (slots >= hi))
     b = first_request(bad)
     if b is not None:
