@@ -103,8 +103,7 @@ def verify_chain_greedy(
     _check_int32(op, predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
                  candidates=candidates)
     check(op, target_predict.dtype == torch.int64, "target_predict", "dtype int64", target_predict.dtype)
-    targets = target_predict
-    _verify_given(op, predicts, accept_index, accept_token_num, candidates, targets)
+    _verify_given(op, predicts, accept_index, accept_token_num, candidates, target_predict)
 
 
 @torch.no_grad()
@@ -220,7 +219,6 @@ def _draft_prob_stop(candidates: Tensor, uniform_samples: Tensor, target_probs: 
     B, N, V = target_probs.shape
     K = N - 1
     dev = target_probs.device
-    sentinel = sentinel.to(dev)
     q = draft_probs.float()
     drafts = candidates[:, 1:]
     at_draft = q[:, :K].gather(2, drafts.long().clamp(0, V - 1)[..., None])[..., 0]
