@@ -157,17 +157,29 @@ def test_chain_sampler_equals_a_loop_over_tokenspeeds_kernel(seed):
 
 @pytest.mark.montecarlo
 def test_chain_sampler_at_threshold_one_follows_the_oracle():
-    V, K, T, seed = 4, 3, mc_trials(200_000, 20_000), 23
-    target, draft = ex.random_model(V, seed, zeros=True), ex.random_model(V, seed + 1000)
-    g = torch.Generator().manual_seed(seed)
-    p, x, _ = ex.chain_inputs(ex.Table(target, V, K + 1), ex.Table(draft, V, K), K, T, False, g)
-    candidates = torch.cat([torch.zeros(T, 1, dtype=torch.int64), x], 1).int()
+    V, K, T, target, draft, g, p, candidates, _ = _chain_trials(23, sampled=False)
     predicts, accept_index, accept_token_num = _outputs(T, K + 1)
     chain_speculative_sampling_target_only(predicts, accept_index, accept_token_num, candidates,
                                            torch.rand(T, K + 1, generator=g), torch.rand(T, generator=g), p)
-    pos = torch.arange(K + 1)
-    tokens = torch.where(pos <= accept_token_num.long()[:, None], predicts.long().view(T, K + 1), -1)
-    exact = oracle.chain(target, ex.argmax_drafter(draft), K, "target_only", V)
+    _assert_follows(predicts, accept_token_num, oracle.chain(target, ex.argmax_drafter(draft), K, "target_only", V),
+                    K, V)
+
+
+def _chain_trials(seed: int, sampled: bool):
+    """A Monte Carlo run's inputs over a random 4-token target and draft model, K = 3: ``V, K, T``, the models, the
+    generator, the target rows ``p``, the candidates (root 0, then the drafts) and the draft rows (``sampled``)."""
+    V, K, T = 4, 3, mc_trials(200_000, 20_000)
+    target, draft = ex.random_model(V, seed, zeros=True), ex.random_model(V, seed + 1000)
+    g = torch.Generator().manual_seed(seed)
+    p, x, q = ex.chain_inputs(ex.Table(target, V, K + 1), ex.Table(draft, V, K), K, T, sampled, g)
+    return V, K, T, target, draft, g, p, torch.cat([torch.zeros(T, 1, dtype=torch.int64), x], 1).int(), q
+
+
+def _assert_follows(predicts, accept_token_num, exact, K: int, V: int) -> None:
+    """The emitted chains (``predicts`` up to ``accept_token_num`` per request) follow ``exact``'s sequences: no
+    impossible one, and a chi-square p-value above 1e-4."""
+    T = accept_token_num.shape[0]
+    tokens = torch.where(torch.arange(K + 1) <= accept_token_num.long()[:, None], predicts.long().view(T, K + 1), -1)
     p_value, impossible = ex.chi_square(ex.encode(tokens, V), ex.encode_dist(exact.sequences, K + 1, V))
     assert impossible == 0 and p_value > 1e-4, (p_value, impossible)
 
@@ -393,16 +405,8 @@ def test_bad_draft_prob_keywords_raise_naming_the_argument():
 
 @pytest.mark.montecarlo
 def test_draft_prob_rule_follows_the_oracle():
-    V, K, T, seed = 4, 3, mc_trials(200_000, 20_000), 29
-    target, draft_model = ex.random_model(V, seed, zeros=True), ex.random_model(V, seed + 1000)
-    g = torch.Generator().manual_seed(seed)
-    p, x, q = ex.chain_inputs(ex.Table(target, V, K + 1), ex.Table(draft_model, V, K), K, T, True, g)
-    candidates = torch.cat([torch.zeros(T, 1, dtype=torch.int64), x], 1).int()
+    V, K, T, target, draft_model, g, p, candidates, q = _chain_trials(29, sampled=True)
     recorded = torch.nn.functional.pad(q, (0, 0, 0, 1))  # row K: the bonus position, never read
     predicts, _, accept_token_num = _draft_prob_call(candidates, torch.rand(T, K + 1, generator=g),
                                                      torch.rand(T, generator=g), p, recorded)
-    pos = torch.arange(K + 1)
-    tokens = torch.where(pos <= accept_token_num.long()[:, None], predicts.long().view(T, K + 1), -1)
-    exact = oracle.chain(target, draft_model, K, "token", V)
-    p_value, impossible = ex.chi_square(ex.encode(tokens, V), ex.encode_dist(exact.sequences, K + 1, V))
-    assert impossible == 0 and p_value > 1e-4, (p_value, impossible)
+    _assert_follows(predicts, accept_token_num, oracle.chain(target, draft_model, K, "token", V), K, V)
