@@ -154,8 +154,7 @@ def rejection_random_sample_block_verify_pytorch(
                        rng=Uniforms(sample=torch.zeros_like(accept), accept=accept))
     tau = res.num_accepted
     stopped = tau < n
-    stop_row = rows.gather(1, tau.clamp(max=max(K - 1, 0))[:, None])[:, 0] if K else tau
-    recovered = _own_rows(recovered_token_ids.reshape(-1).long(), stop_row, stopped)
+    recovered = _own_rows(recovered_token_ids.reshape(-1).long(), start + tau, stopped)  # its row where stopped
     last = torch.where(stopped, recovered, bonus_token_ids.reshape(B).to(tau.device).long())
     pos = torch.arange(K + 1, device=tau.device)
     out = torch.where(pos < tau[:, None], torch.nn.functional.pad(x, (0, 1)), last[:, None])
