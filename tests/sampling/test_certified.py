@@ -248,3 +248,76 @@ def test_the_first_of_the_largest_weight_is_found_from_the_next_largest_logit():
     assert _first_of_largest(x, w, w_max, chunk_max, best).tolist() == want.tolist()
     assert _first_of_largest(x, w, w_max, None, best).tolist() == want.tolist()
     assert want[3] == 10 and want[2] == 10 and want[7] == 5  # the cases above are what they say
+
+
+def _plain_logits(V: int, g: torch.Generator) -> torch.Tensor:
+    """Rows of logits a plain sampler meets: spread, peaked, tied, far from zero (``top * c`` past 2**24), all
+    masked, one holding NaN, one holding +inf, half masked."""
+    spread = torch.randn(3, V, generator=g) * 3
+    peaked = torch.randn(1, V, generator=g) * 12
+    tied = torch.randint(-3, 3, (1, V), generator=g).float()
+    far = torch.randn(1, V, generator=g) * 10 + 3e7
+    masked = torch.full((1, V), float("-inf"))
+    nan, inf = torch.randn(2, V, generator=g)
+    nan[V // 3], inf[V // 2] = float("nan"), float("inf")
+    half = torch.where(torch.rand(V, generator=g) < 0.5, torch.randn(V, generator=g), float("-inf"))
+    return torch.cat([spread, peaked, tied, far, masked, nan[None], inf[None], half[None]])
+
+
+@pytest.mark.parametrize("V", [1024, 1040, 5003])
+@pytest.mark.parametrize("temperature,min_p", [(0.8, 0.0), (1.3, 0.1), (1e-30, 0.0), (1e-45, 0.05)])
+def test_plain_rows_drawn_without_their_distribution_are_the_processed_draws(V, temperature, min_p):
+    # sample_from_logits draws plain rows (temperature, min-p) from bounds on their chunks' normalised masses, never
+    # writing the distribution: the same token and log-probability as drawing from process()'s probabilities, at
+    # uniforms on the edges of the exact masses (the exact pass) and elsewhere (the bounds); 1e-30 and 1e-45 make
+    # log2(e) / T huge and infinite
+    from specsampler.params import SamplingParams
+    from specsampler.sampling.filters import sample_plain
+    from specsampler.sampling.processing import process
+    from specsampler.sampling.rounding import in_vector_body
+
+    g = torch.Generator().manual_seed(V)
+    x = _plain_logits(V, g)
+    rp = SamplingParams(temperature=temperature, min_p=min_p).rows("test", x.shape[0], 1, x.device, True)
+    proc = process(x, rp, logits=True)
+    probs = proc.dense()
+    rows, us = [], []
+    for r, row in enumerate(probs.tolist()):
+        for u in (_boundary_uniforms(row, 4) if sum(_exact_masses(row)) else []) + torch.rand(3, generator=g).tolist():
+            rows.append(r)
+            us.append(u)
+    idx, u = torch.tensor(rows), torch.tensor(us)
+    x, rp = x[idx], rp.take(idx)
+    proc = process(x, rp, logits=True)
+    want = proc.sample(u)
+    exact_rows = []
+    real = masses_module._invert_masses
+
+    def counting(m, uu):
+        exact_rows.append(m.shape[0])
+        return real(m, uu)
+
+    with mock.patch.object(masses_module, "_invert_masses", counting):
+        tokens, logprobs = sample_plain(x, rp, u, step=3)
+    assert torch.equal(tokens, want)
+    torch.testing.assert_close(logprobs, in_vector_body(torch.log, proc.prob(want)), rtol=0, atol=0, equal_nan=True)
+    # both ways taken: located from the bounds, and exactly at the edges (at 1e-45 no row has mass: all exact)
+    assert 0 < sum(exact_rows) and (sum(exact_rows) < len(us) or temperature == 1e-45)
+
+
+def test_normalised_masses_are_the_masses_of_the_normalised_weights():
+    # floor(w / (z 2^-32)) for the power-of-two-scaled divisor: the masses of w / z, quotients below float32's
+    # normal range included; a row of mass 0 divides to 0; a mass below 2^32 is flagged (its quotients may pass 1)
+    from specsampler.sampling.masses import divide_by, normalised_masses, odd_masses
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(5, 3000, generator=g) ** 20
+    w[:, 0] = 1.0
+    w[1, 1:100] = torch.rand(99, generator=g) * 1e-38  # quotients subnormal
+    w[2] = 0.0
+    w[3, 1:] = 2.0**-30
+    mass = row_mass(w, keepdim=True)
+    got = normalised_masses(w, mass, torch.empty_like(w))
+    assert torch.equal(got.double(), masses(divide_by(w, mass)))
+    assert odd_masses(torch.tensor([0.0, 1.0, 2.0**32 - 1, 2.0**32], dtype=torch.float64)).tolist() == [
+        False, True, True, False]

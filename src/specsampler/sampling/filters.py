@@ -15,8 +15,22 @@ from torch import Tensor
 from ..params import RowParams
 from .distributions import Part, _take
 from .greedy import nan_as_minus_inf
-from .masses import MASS_BITS, divide_by_, masses, row_mass, top_p_target
+from .masses import (
+    _CHUNK,
+    MASS_BITS,
+    ROW_MASSES,
+    chunk_sum_bounds,
+    chunk_sums,
+    divide_by_,
+    draw_in_bounds,
+    masses,
+    normalised_masses,
+    odd_masses,
+    row_mass,
+    top_p_target,
+)
 from .rounding import _VECTOR_BODY, in_vector_body
+from .scratch import SCRATCH
 from .topk import ordered_prefix
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -56,18 +70,13 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply-add,
     faster, with the same arithmetic).
     """
-    n = vals.numel()
-    whole = -(-n // _VECTOR_BODY) * _VECTOR_BODY
-    buf = torch.empty(whole, device=vals.device) if out is None else out[:whole]
-    w = buf[:n].view(vals.shape)
     if not logits:
+        w = _in_buffer(vals, out)[0]
         w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
         return torch.ldexp(w, -torch.frexp(w.amax(-1, keepdim=True)).exponent, out=w) if w.numel() else w
-    c = torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
+    c = _scale(temperature)
     tc = top * c
-    torch.mul(vals, float(c[0]) if shared and c.numel() else c, out=w).sub_(tc)
-    # at most 1 (the masses need it: x * c - top * c may round above 0); the few values past n are not read
-    buf.exp2_().clamp_(max=1.0)
+    w = _exp2_weights(vals, float(c[0]) if shared and c.numel() else c, tc, out)
     if bool((tc.abs() < _FAR).all()):  # every top finite and near zero (the usual case): done in one check
         return w
     finite = torch.isfinite(top)  # rows without mass: 0 below
@@ -78,6 +87,30 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     if bool(far.any()):
         w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
     return w.masked_fill_(~finite, 0.0)
+
+
+def _scale(temperature: Tensor) -> Tensor:
+    """float32 ``[r, 1]``: ``c = log2(e) / T`` of temperatures float32 ``[r]``."""
+    return torch.full_like(temperature, _LOG2E).div_(temperature)[:, None]
+
+
+def _in_buffer(vals: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A tensor shaped as ``vals`` at the start of ``out`` (or a new buffer), and the buffer rounded up to a
+    multiple of 64 values (whole iterations of ATen's vectorised loops)."""
+    n = vals.numel()
+    whole = -(-n // _VECTOR_BODY) * _VECTOR_BODY
+    buf = torch.empty(whole, device=vals.device) if out is None else out[:whole]
+    return buf[:n].view(vals.shape), buf
+
+
+def _exp2_weights(vals: Tensor, c: Tensor | float, tc: Tensor, out: Tensor | None) -> Tensor:
+    """:func:`_weights` of logits ``vals`` ``[r, C]`` whose ``top * c`` (``tc`` ``[r, 1]``) are finite and below
+    2**24 in magnitude: ``2 ** (x * c - tc)``, at most 1, in ``out`` (or new)."""
+    w, buf = _in_buffer(vals, out)
+    torch.mul(vals, c, out=w).sub_(tc)
+    # at most 1 (the masses need it: x * c - top * c may round above 0); the few values past n are not read
+    buf.exp2_().clamp_(max=1.0)
+    return w
 
 
 def _normalise_(w: Tensor) -> Tensor:
@@ -212,7 +245,73 @@ def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams)
 
 def _plain_part(rows, x, rp, logits) -> Part:
     """Rows with neither top-k nor top-p: dense, with min-p."""
-    w = _weights(x, x.amax(-1, keepdim=True), rp.temperature, logits, shared=rp.shared is not None)
-    if not rp.all_equal("min_p", 0):
-        w.mul_(w >= rp.min_p[:, None] * w.amax(-1, keepdim=True))
+    w, _ = _plain_weights(x, x.amax(-1, keepdim=True), rp, logits)
     return Part(rows, None, _normalise_(w))
+
+
+def _plain_weights(x: Tensor, top: Tensor, rp: RowParams, logits: bool, w_max: Tensor | None = None,
+                   out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The kept weights of plain rows ``x`` ``[r, C]`` (temperature from their tops ``[r, 1]``, then min-p against
+    each row's largest weight, or against ``w_max`` ``[r, 1]`` when given: columns of rows), and that largest weight
+    (None without min-p). ``out``: :func:`_weights`'s buffer."""
+    w = _weights(x, top, rp.temperature, logits, shared=rp.shared is not None, out=out)
+    if rp.all_equal("min_p", 0):
+        return w, None
+    w_max = w.amax(-1, keepdim=True) if w_max is None else w_max
+    return w.mul_(w >= rp.min_p[:, None] * w_max), w_max
+
+
+def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """The draws of plain rows of logits (temperature and min-p) and their log-probabilities, without keeping
+    their distributions: the tokens and log-probabilities of ``process(x, rp, logits=True)`` (:func:`_plain_part`)
+    sampled by inversion of ``u``, the same numbers.
+
+    x: float32 ``[R, V]``; rp: the rows' parameters; u: float32 ``[R]``. Returns int64 ``[R]`` and float32 ``[R]``.
+    The passes over every value (the weights, the exact row mass, sums of the normalised chunks' masses) run
+    ``step`` rows at a time in reused buffers (fresh pages cost more than the passes, and a block stays in the
+    CPU's caches), with few other ops a block; then every row's draw is located at once from the chunks' bounds
+    (:func:`.masses.draw_in_bounds`), the probabilities at the columns it reads recomputed from the logits: the
+    same elementwise arithmetic, so the same values. Rows whose ``top * c`` is not finite or far from zero (see
+    :func:`_weights`) are redone whole after the blocks.
+    """
+    R, V = x.shape
+    shared = rp.shared is not None
+    c = _scale(rp.temperature)
+    top = x.new_empty(R, 1)
+    mass = torch.empty(R, 1, dtype=torch.float64, device=x.device)
+    sums = torch.empty(R, -(-V // _CHUNK), dtype=torch.float64, device=x.device)
+    w_max = None if rp.all_equal("min_p", 0) else x.new_empty(R, 1)
+    for s in range(0, R, step):
+        e = min(R, s + step)
+        block = x[s:e]
+        tc = torch.amax(block, -1, keepdim=True, out=top[s:e]) * c[s:e]
+        out = SCRATCH.get("weights", (block.numel() + _VECTOR_BODY,), torch.float32, x.device)
+        w = _exp2_weights(block, float(c[0]) if shared else c[s:e], tc, out)  # rows with a far top: redone below
+        if w_max is not None:
+            w.mul_(w >= rp.min_p[s:e, None] * torch.amax(w, -1, keepdim=True, out=w_max[s:e]))
+        mass[s:e] = row_mass(w, keepdim=True, unit=True)
+        f = SCRATCH.get(ROW_MASSES, w.shape, torch.float32, x.device)  # free again once row_mass returns
+        sums[s:e] = chunk_sums(normalised_masses(w, mass[s:e], f))
+    far = ~((top * c).abs() < _FAR)[:, 0]  # NaN or infinite tops too
+    if bool(far.any()):
+        rows = far.nonzero()[:, 0]
+        w, row_max = _plain_weights(x[rows], top[rows], rp.take(rows), True)
+        if w_max is not None:
+            w_max[rows] = row_max
+        mass[rows] = row_mass(w, keepdim=True)
+        sums[rows] = chunk_sums(masses(divide_by_(w, mass[rows])).float())
+    lo, hi = chunk_sum_bounds(sums)
+    odd = odd_masses(mass)  # drawn exactly (normalised_masses does not apply; never from logits: the top weighs 1)
+    lo.masked_fill_(odd, float("nan"))
+
+    def probs(rows: Tensor | None, cols: Tensor | None) -> Tensor:
+        """The probabilities of rows (None: all) at columns int64 ``[R, n]`` (None: every column)."""
+        vals = _take(x, rows)
+        vals = vals if cols is None else vals.gather(1, cols)
+        w, _ = _plain_weights(vals, _take(top, rows), _take_params(rp, rows), True,
+                              None if w_max is None else _take(w_max, rows))
+        return divide_by_(w, _take(mass, rows))
+
+    tokens = draw_in_bounds(lo, hi, u, V, lambda cols: masses(probs(None, cols)),
+                            lambda rows: masses(probs(rows, None)))
+    return tokens, in_vector_body(torch.log, probs(None, tokens[:, None])[:, 0])

@@ -22,6 +22,7 @@ MASS_BITS = 32
 _CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 _SCRATCH_FROM = 1 << 16  # masses of fewer values are allocated (a scratch lookup costs more than the pages)
 _ONE = float(2**MASS_BITS)
+ROW_MASSES = "row masses (float32)"  # the scratch of row_mass's masses, free again once it returns
 
 
 def masses(w: Tensor, scratch: str | None = None) -> Tensor:
@@ -40,14 +41,16 @@ def as_weight(mass: Tensor) -> Tensor:
     return (mass / _ONE).float()
 
 
-def row_mass(w: Tensor, keepdim: bool = False) -> Tensor:
-    """float64 ``[...]``: the mass of each row of weights ``[..., C]`` (an exact integer)."""
+def row_mass(w: Tensor, keepdim: bool = False, unit: bool = False) -> Tensor:
+    """float64 ``[...]``: the mass of each row of weights ``[..., C]`` (an exact integer). ``unit``: every weight is
+    in [0, 1] or NaN already (no clamp: one pass fewer)."""
     w = w.float()
     if w.numel() < _SCRATCH_FROM or w.dim() == 0:
         return masses(w).sum(-1, keepdim=keepdim)
     # the masses with NaN kept (one pass fewer than masses()): a row holding a NaN sums to NaN and is redone
-    f = torch.clamp(w, 0.0, 1.0, out=SCRATCH.get("row masses (float32)", w.shape, torch.float32, w.device))
-    z = SCRATCH.get("row masses", w.shape, torch.float64, w.device).copy_(f.mul_(_ONE).floor_()).sum(-1, keepdim)
+    f = SCRATCH.get(ROW_MASSES, w.shape, torch.float32, w.device)
+    f = torch.mul(w, _ONE, out=f) if unit else torch.clamp(w, 0.0, 1.0, out=f).mul_(_ONE)
+    z = SCRATCH.get("row masses", w.shape, torch.float64, w.device).copy_(f.floor_()).sum(-1, keepdim)
     nan = z.isnan()
     if bool(nan.any()):
         z[nan] = masses(w[nan.squeeze(-1) if keepdim else nan]).sum(-1)
@@ -168,11 +171,16 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
     in the chunk: the sums add whole slices of it, a vectorised read; consecutive in a last, partial chunk), each
     sum within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
     integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
-    R, C = w.shape
     f = torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
                     else SCRATCH.get(scratch, w.shape, torch.float32, w.device)).mul_(_ONE).floor_()
+    return (*chunk_sum_bounds(chunk_sums(f)), f)
+
+
+def chunk_sums(f: Tensor) -> Tensor:
+    """float64 ``[R, ceil(C / 256)]``: the chunks' float32 sums by groups of 16 of masses float32 ``f`` ``[R, C]``,
+    added in float64 (exactly: integers below 2**53); bounds on the exact sums: :func:`chunk_sum_bounds`."""
+    R, C = f.shape
     full = C - C % _CHUNK
-    # float64 sums of the groups' sums: exact (integers below 2**53)
     s = f[:, :full].view(R, full // _CHUNK, _GROUP, _CHUNK // _GROUP).sum(2).double().sum(-1)
     if full < C:
         tail = f[:, full:]
@@ -181,8 +189,29 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
         if whole < tail.shape[1]:
             sums = torch.cat([sums, tail[:, whole:].sum(-1, keepdim=True)], 1)
         s = torch.cat([s, sums.double().sum(-1, keepdim=True)], 1)
-    lo, hi = _exact_sum_bounds(s, _sum_error(_GROUP), 2.0**-50)
-    return lo, hi, f
+    return s
+
+
+def chunk_sum_bounds(s: Tensor) -> tuple[Tensor, Tensor]:
+    """Integers ``lo <= M <= hi`` (float64) around the chunks' exact masses M, from :func:`chunk_sums`."""
+    return _exact_sum_bounds(s, _sum_error(_GROUP), 2.0**-50)
+
+
+def normalised_masses(w: Tensor, mass: Tensor, out: Tensor) -> Tensor:
+    """The masses of ``divide_by(w, mass)`` (float32 ``[R, C]``, in ``out``) without that division's own pass, for
+    weights ``w`` in [0, 1] (or NaN) and their rows' exact masses float64 ``[R, 1]``, each 0 or at least 2**32 (a
+    weight of 1 in the row: quotients at most 1; :func:`odd_masses` are the others).
+
+    ``floor(w / (z * 2**-32))``, ``z`` the mass as a float32 weight (:func:`as_weight`), is the mass of ``w / z``:
+    scaling by a power of two commutes with rounding (a quotient below float32's normal range has mass 0 either
+    way); rows of mass 0 divide to 0, as :func:`divide_by` does."""
+    return torch.div(w, torch.where(mass > 0, as_weight(mass) * 2.0**-MASS_BITS, float("inf")), out=out).floor_()
+
+
+def odd_masses(mass: Tensor) -> Tensor:
+    """bool: the row masses in ``(0, 2**32)`` (float64), where :func:`normalised_masses` does not apply (the
+    quotients may pass 1, which the masses clamp)."""
+    return (mass > 0) & (mass < _ONE)
 
 
 def mass_interval(w: Tensor, group: int = _GROUP) -> tuple[Tensor, Tensor]:
@@ -213,17 +242,28 @@ def _first_above(cum: Tensor, t: Tensor) -> Tensor:
 
 
 def _draw_certified(w: Tensor, u: Tensor) -> Tensor:
-    """:func:`sample_by_inversion` of rows of at least 1024 columns.
-
-    With the chunk masses' bounds ``lo <= M_k <= hi`` (:func:`chunk_mass_bounds`) the row's mass Z lies in
-    ``[sum lo, sum hi]`` and ``t = floor(u * Z)`` (monotone in Z) between the two ends' targets; the draw's
-    chunk (the first whose prefix mass exceeds t) is known when the first chunk whose upper prefix exceeds the
-    lowest t is also the first whose lower prefix exceeds the highest t. Inside it, the exact masses of its
-    256 columns give the column, known when the offset ``t - (mass before the chunk)``, in its interval, does
-    not straddle a column's boundary. Rows where either is not known (or holding a NaN) are drawn exactly.
-    """
-    R, C = w.shape
+    """:func:`sample_by_inversion` of rows of at least 1024 columns: :func:`draw_in_bounds` over the bounds of
+    :func:`chunk_mass_bounds` and the exact masses they come from."""
     lo, hi, m = chunk_mass_bounds(w, "draw masses")
+    return draw_in_bounds(lo, hi, u, w.shape[1], lambda cols: m.gather(1, cols),
+                          lambda rows: torch.nan_to_num(m.index_select(0, rows), nan=0.0).double())
+
+
+def draw_in_bounds(lo: Tensor, hi: Tensor, u: Tensor, C: int, column_masses, row_masses) -> Tensor:
+    """:func:`sample_by_inversion` of rows of ``C`` columns located from bounds on their chunks' masses.
+
+    lo, hi: float64 ``[R, ceil(C / 256)]``, ``lo <= mass <= hi`` of each chunk of 256 columns (integers; NaN: the
+    row is drawn exactly); u: float32 ``[R]``. ``column_masses(cols)``: the exact masses (float, NaN where the row
+    holds one) at columns int64 ``[R, 256]`` in ``[0, C)``; ``row_masses(rows)``: the exact masses float64 ``[r, C]``
+    of rows int64 ``[r]`` (NaN as 0). Returns int64 ``[R]``.
+
+    With the chunk bounds the row's mass Z lies in ``[sum lo, sum hi]`` and ``t = floor(u * Z)`` (monotone in Z)
+    between the two ends' targets; the draw's chunk (the first whose prefix mass exceeds t) is known when the first
+    chunk whose upper prefix exceeds the lowest t is also the first whose lower prefix exceeds the highest t. Inside
+    it, the exact masses of its 256 columns give the column, known when the offset ``t - (mass before the chunk)``,
+    in its interval, does not straddle a column's boundary. Rows where either is not known are inverted over all
+    their exact masses (:func:`_invert_masses`): the same column either way.
+    """
     low_cum, high_cum = lo.cumsum(-1), hi.cumsum(-1)
     t_low, t_high = draw_target(u, low_cum[:, -1]), draw_target(u, high_cum[:, -1])
     chunk = _first_above(high_cum, t_low)
@@ -232,14 +272,14 @@ def _draw_certified(w: Tensor, u: Tensor) -> Tensor:
     before = (chunk - 1).clamp(min=0)[:, None]
     low_before = torch.where(chunk > 0, low_cum.gather(1, before)[:, 0], 0.0)
     high_before = torch.where(chunk > 0, high_cum.gather(1, before)[:, 0], 0.0)
-    cols = chunk[:, None] * _CHUNK + torch.arange(_CHUNK, device=w.device)
-    inner = torch.where(cols < C, m.gather(1, cols.clamp(max=C - 1)), 0.0).double().cumsum(-1)
+    cols = chunk[:, None] * _CHUNK + torch.arange(_CHUNK, device=lo.device)
+    inner = torch.where(cols < C, column_masses(cols.clamp(max=C - 1)), 0.0).double().cumsum(-1)
     col = _first_above(inner, t_low - high_before)
     known &= (col == _first_above(inner, t_high - low_before)) & (col < _CHUNK)
     token = (chunk * _CHUNK + col).clamp_(max=C - 1)
     if not bool(known.all()):
         redo = (~known).nonzero()[:, 0]
-        token[redo] = _invert_masses(torch.nan_to_num(m.index_select(0, redo), nan=0.0).double(), u[redo])
+        token[redo] = _invert_masses(row_masses(redo), u[redo])
     return token
 
 

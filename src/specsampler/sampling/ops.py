@@ -26,7 +26,7 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _weights
+from .filters import _FAR, _weights, sample_plain
 from .masses import MASS_BITS
 from .processing import Processed, in_vector_body, process, sample_by_inversion
 
@@ -248,7 +248,10 @@ def sample_from_logits(
     dense = shared is not None and shared.temperature > 0 and not 0 < shared.top_k < V and shared.top_p >= 1
     # rows kept whole (no top-k, no top-p) pass over every value several times: in blocks, from the caches
     step = max(1, _BLOCK_VALUES // max(V, 1)) if dense and x.device.type == "cpu" else max(R, 1)
-    if step >= R:
+    if dense and not num_logprobs and V >= _DRAWN_IN_BOUNDS:
+        tokens, logprobs = sample_plain(x, rp, u, step)
+        top_ids = top_lp = None
+    elif step >= R:
         tokens, logprobs, top_ids, top_lp = _sample_rows(x, rp, u, num_logprobs)
     else:
         blocks = [_sample_rows(x[s:s + step], rp.take(torch.arange(s, min(R, s + step), device=x.device)),
@@ -261,6 +264,7 @@ def sample_from_logits(
 
 
 _BLOCK_VALUES = 1 << 20  # values per block of dense rows sampled at a time on CPU: 4 MB of float32, in cache
+_DRAWN_IN_BOUNDS = 1024  # dense rows this wide are drawn by sample_plain (shorter ones: a few ops of process)
 
 
 def _sample_rows(x: Tensor, rp: RowParams, u: Tensor, num_logprobs: int) -> tuple[Tensor, ...]:
