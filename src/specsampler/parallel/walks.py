@@ -64,7 +64,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
         y, _ = yield from draw(w, u_draw.gather(1, n[:, None])[:, 0], lo, hi, target.layout, shard)
         return _result(c, n, y, lambda: expected_of(c, p_x, q_x))
     # block
-    a = block_a(c, p_x, q_x)
+    a = block_a(c.usable, p_x, q_x)
     w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0).flatten(0, 1)
     mass = (yield from exact_masses(w)) if K else w.new_zeros(target.lo.shape[0], 0, dtype=torch.float64)
     h = block_h(c, a, as_weight(mass.sum(0)).view(B, K))

@@ -148,17 +148,19 @@ def _p_x(c: ChainInputs, target: Processed) -> Tensor:
 def _block_terms(c: ChainInputs, target: Processed, p_x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Block verification's ``a`` ``[B, K+1]``, dense ``p`` ``[B, K+1, V]``, ``w = max(a p - q, 0)``
     ``[B, K, V]`` and ``h`` ``[B, K+1]`` (0 past ``num_drafts``, ``a`` at it, ``h_0 = 1``)."""
-    a = block_a(c, p_x, c.q_x())
+    a = block_a(c.usable, p_x, c.q_x())
     p = target.dense().unflatten(0, (c.B, c.K + 1))
     w = (a[:, :c.K, None] * p[:, :c.K] - c.q).clamp_(min=0.0)
     return a, p, w, block_h(c, a, as_weight(c.vocab.mass(w)))
 
 
-def block_a(c: ChainInputs, p_x: Tensor, q_x: Tensor) -> Tensor:
-    """Block verification's ``a`` float32 ``[B, K+1]`` from the drafts' target and draft probabilities ``[B, K]``."""
-    a = torch.ones(c.B, c.K + 1, device=c.x.device)
-    for i in range(c.K):
-        a[:, i + 1] = torch.where(c.usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
+def block_a(usable: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
+    """Block verification's ``a`` float32 ``[B, K+1]`` from the drafts' target and draft probabilities ``[B, K]``:
+    ``a_0 = 1``, ``a_{i+1} = min(1, a_i p_i(x_i) / q_i(x_i))`` where draft i is ``usable`` (bool ``[B, K]``), else 0."""
+    B, K = usable.shape
+    a = torch.ones(B, K + 1, device=usable.device)
+    for i in range(K):
+        a[:, i + 1] = torch.where(usable[:, i], _ratio(a[:, i] * p_x[:, i], q_x[:, i]), 0.0)
     return a
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from specsampler import Uniforms, verify_chain
+from specsampler.verify.chain import block_a
 from specsampler.validation import check_no_bad, check_tensor, fail, values_checkable
 
 __all__ = [
@@ -70,17 +71,6 @@ def _at_drafts(probs: Tensor, x: Tensor) -> Tensor:
     V = probs.shape[-1]
     inside = (x >= 0) & (x < V)
     return torch.where(inside, probs.gather(2, x.clamp(0, V - 1)[..., None])[..., 0].float(), 0.0)
-
-
-def _prefix(p_x: Tensor, q_x: Tensor, valid: Tensor) -> Tensor:
-    """Block verification's ``a`` float32 ``[B, K+1]``: ``a_0 = 1``, ``a_{i+1} = min(1, a_i p_i(x_i) / q_i(x_i))``,
-    0 where ``q_i(x_i) = 0`` (vLLM's rule for a draft its drafter could not have drawn) or past the drafts."""
-    B, K = p_x.shape
-    a = torch.ones(B, K + 1, device=p_x.device)
-    for i in range(K):
-        num = a[:, i] * p_x[:, i]
-        a[:, i + 1] = torch.where(valid[:, i] & (q_x[:, i] > 0), (num / q_x[:, i]).clamp(max=1.0), 0.0)
-    return a
 
 
 def rejection_random_sample_block_verify_pytorch(
@@ -208,7 +198,8 @@ def sample_recovered_tokens_blockwise_pytorch(
     rows, valid = _positions(start, n, K)
     x = _own_rows(draft_token_ids.reshape(-1).long(), rows, valid, fill=-1)
     p, d = _own_rows(target_probs.float(), rows, valid), _own_rows(draft_probs.float(), rows, valid)
-    a = _prefix(_at_drafts(p, x), _at_drafts(d, x), valid)
+    p_x, q_x = _at_drafts(p, x), _at_drafts(d, x)
+    a = block_a(valid & (q_x > 0), p_x, q_x)  # vLLM: a draft of draft probability 0 ends the prefix (a = 0)
     residual = (a[:, :K, None] * p - d).clamp_(min=0.0)
     e = q.float()[:, None, :]
     score = torch.where((e == 0) | e.isinf(), -1e10, residual / torch.where(e == 0, 1.0, e))
