@@ -302,7 +302,7 @@ def test_plain_rows_drawn_without_their_distribution_are_the_processed_draws(V, 
     assert torch.equal(tokens, want)
     torch.testing.assert_close(logprobs, in_vector_body(torch.log, proc.prob(want)), rtol=0, atol=0, equal_nan=True)
     # both ways taken: located from the bounds, and exactly at the edges (at 1e-45 no row has mass: all exact)
-    assert 0 < sum(exact_rows) and (sum(exact_rows) < len(us) or temperature == 1e-45)
+    assert sum(exact_rows) > 0 and (sum(exact_rows) < len(us) or temperature == 1e-45)
 
 
 def test_normalised_masses_are_the_masses_of_the_normalised_weights():

@@ -32,8 +32,17 @@ def masses(w: Tensor, scratch: str | None = None) -> Tensor:
     scratch = scratch if w.numel() >= _SCRATCH_FROM else None
     f32 = None if scratch is None else SCRATCH.get(scratch + " (float32)", w.shape, torch.float32, w.device)
     # w * 2**32 and its floor are exact in float32 (a power-of-two scale; from 2**24 on a float32 is an integer)
-    m = torch.nan_to_num(w, nan=0.0, out=f32).clamp_(0.0, 1.0).mul_(_ONE).floor_()
+    m = _scaled(torch.nan_to_num(w, nan=0.0, out=f32).clamp_(0.0, 1.0))
     return m.double() if scratch is None else SCRATCH.get(scratch, w.shape, torch.float64, w.device).copy_(m)
+
+
+def _scaled(w: Tensor, z: Tensor | float = 1.0, out: Tensor | None = None) -> Tensor:
+    """``floor(fl(w / z) * 2**32)`` float32 (in place in ``w`` unless ``out``), for ``w / z`` non-negative or NaN:
+    one pass, as ``trunc(w / (z * 2**-32))`` (scaling by a power of two commutes with rounding; a quotient below
+    float32's normal range has mass 0 either way; trunc is floor on non-negatives). ``z``: float32 ``[R, 1]``, or
+    1."""
+    scale = z * 2.0**-MASS_BITS
+    return torch.div(w, scale, rounding_mode="trunc", out=w if out is None else out)
 
 
 def as_weight(mass: Tensor) -> Tensor:
@@ -49,8 +58,8 @@ def row_mass(w: Tensor, keepdim: bool = False, unit: bool = False) -> Tensor:
         return masses(w).sum(-1, keepdim=keepdim)
     # the masses with NaN kept (one pass fewer than masses()): a row holding a NaN sums to NaN and is redone
     f = SCRATCH.get(ROW_MASSES, w.shape, torch.float32, w.device)
-    f = torch.mul(w, _ONE, out=f) if unit else torch.clamp(w, 0.0, 1.0, out=f).mul_(_ONE)
-    z = SCRATCH.get("row masses", w.shape, torch.float64, w.device).copy_(f.floor_()).sum(-1, keepdim)
+    f = _scaled(w, out=f) if unit else _scaled(torch.clamp(w, 0.0, 1.0, out=f))
+    z = SCRATCH.get("row masses", w.shape, torch.float64, w.device).copy_(f).sum(-1, keepdim)
     nan = z.isnan()
     if bool(nan.any()):
         z[nan] = masses(w[nan.squeeze(-1) if keepdim else nan]).sum(-1)
@@ -171,8 +180,8 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
     in the chunk: the sums add whole slices of it, a vectorised read; consecutive in a last, partial chunk), each
     sum within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
     integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
-    f = torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
-                    else SCRATCH.get(scratch, w.shape, torch.float32, w.device)).mul_(_ONE).floor_()
+    f = _scaled(torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
+                            else SCRATCH.get(scratch, w.shape, torch.float32, w.device)))
     return (*chunk_sum_bounds(chunk_sums(f)), f)
 
 
@@ -202,10 +211,9 @@ def normalised_masses(w: Tensor, mass: Tensor, out: Tensor) -> Tensor:
     weights ``w`` in [0, 1] (or NaN) and their rows' exact masses float64 ``[R, 1]``, each 0 or at least 2**32 (a
     weight of 1 in the row: quotients at most 1; :func:`odd_masses` are the others).
 
-    ``floor(w / (z * 2**-32))``, ``z`` the mass as a float32 weight (:func:`as_weight`), is the mass of ``w / z``:
-    scaling by a power of two commutes with rounding (a quotient below float32's normal range has mass 0 either
-    way); rows of mass 0 divide to 0, as :func:`divide_by` does."""
-    return torch.div(w, torch.where(mass > 0, as_weight(mass) * 2.0**-MASS_BITS, float("inf")), out=out).floor_()
+    ``z`` is the mass as a float32 weight (:func:`as_weight`); rows of mass 0 divide to 0, as :func:`divide_by`
+    does (:func:`_scaled`)."""
+    return _scaled(w, torch.where(mass > 0, as_weight(mass), float("inf")), out)
 
 
 def odd_masses(mass: Tensor) -> Tensor:

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from specsampler import Uniforms, verify_chain
-from specsampler.verify.chain import block_a
 from specsampler.validation import check_no_bad, check_tensor, fail, values_checkable
+from specsampler.verify.chain import block_a
 
 __all__ = [
     "rejection_random_sample_block_verify_kernel",
