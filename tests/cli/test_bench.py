@@ -3,6 +3,7 @@ import json
 import pytest
 
 from specsampler.cli.bench import (
+    _case_label,
     every_node_tree_verify,
     materialising_chain_verify,
     run,
@@ -24,6 +25,14 @@ def test_bench_writes_records_with_the_documented_fields(tmp_path):
             assert key in r, key
         assert r["median_us"] > 0 and r["floor_ratio"] > 0 and all(v > 0 for v in r["baselines"].values())
         assert r["steal_ms"] is None or r["steal_ms"] >= 0
+
+
+def test_plot_labels_name_each_case_by_its_method_or_filters():
+    # a plain temperature case is not top-p (the plot once said so)
+    assert _case_label({"B": 64, "V": 128256, "temperature": 0.8}) == "temperature"
+    assert _case_label({"temperature": 0.8, "top_k": 50, "top_p": 0.9}) == "top-k+top-p"
+    assert _case_label({"temperature": 0.8, "top_p": 0.9}) == "top-p"
+    assert _case_label({"method": "token", "V": 32000}) == "token"
 
 
 def test_steal_is_read_from_proc_stat(monkeypatch):

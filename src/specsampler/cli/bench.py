@@ -280,6 +280,14 @@ def _fmt(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.0f}"
 
 
+def _case_label(shape: dict) -> str:
+    """A case's short name in a plot: its method, else its sampling filters (plain temperature: "temperature")."""
+    if "method" in shape:
+        return shape["method"]
+    kept = [name for name, on in (("top-k", shape.get("top_k")), ("top-p", shape.get("top_p"))) if on]
+    return "+".join(kept) or "temperature"
+
+
 def plot_speedups(records: list[dict], path: str) -> None:
     """A bar chart of each case's speedups over its baselines (log scale), targets marked."""
     try:
@@ -293,7 +301,7 @@ def plot_speedups(records: list[dict], path: str) -> None:
     labels, values, needs = [], [], []
     for rec in records:
         for name, speedup in rec["baselines"].items():
-            extra = rec["shape"].get("top_k") and "top-k+top-p" or rec["shape"].get("method", "top-p")
+            extra = _case_label(rec["shape"])
             labels.append(f"{rec['op']}\n{extra} vs {name}")
             values.append(speedup)
             needs.append(rec.get("targets", {}).get("min_speedup", {}).get(name))
