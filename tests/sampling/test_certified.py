@@ -4,6 +4,7 @@ lies within the bound: the tokens are always those of the exact masses, tested a
 
 from __future__ import annotations
 
+import contextlib
 import math
 from unittest import mock
 
@@ -123,6 +124,19 @@ def test_wide_rows_draw_the_exact_token_at_every_boundary(C):
     assert sample_by_inversion(w, u).tolist() == want
 
 
+@contextlib.contextmanager
+def _counting_exact_draws():
+    """The rows drawn over all their exact masses while the context is open (a list of counts, one per pass)."""
+    rows, real = [], masses_module._invert_masses
+
+    def counting(m, u):
+        rows.append(m.shape[0])
+        return real(m, u)
+
+    with mock.patch.object(masses_module, "_invert_masses", counting):
+        yield rows
+
+
 def test_draws_of_peaked_rows_take_the_exact_pass_rarely():
     # the point of the bounds: rows like a language model's (a few likely tokens) are drawn from float32 sums and
     # one chunk's exact masses; only a draw within the bound of an edge reads every mass exactly
@@ -130,16 +144,9 @@ def test_draws_of_peaked_rows_take_the_exact_pass_rarely():
     logits = torch.randn(256, 32000, generator=g) * 2.5
     probs = torch.softmax(logits, -1)
     u = torch.rand(256, generator=g)
-    exact_rows = []
-    real = masses_module._invert_masses
-
-    def counting(m, uu):
-        exact_rows.append(m.shape[0])
-        return real(m, uu)
-
-    with mock.patch.object(masses_module, "_invert_masses", counting):
+    with _counting_exact_draws() as exact_rows:
         got = sample_by_inversion(probs, u)
-    assert torch.equal(got, real(masses(probs), u))
+    assert torch.equal(got, masses_module._invert_masses(masses(probs), u))
     assert sum(exact_rows) <= 256 // 10
 
 
@@ -290,14 +297,7 @@ def test_plain_rows_drawn_without_their_distribution_are_the_processed_draws(V, 
     x, rp = x[idx], rp.take(idx)
     proc = process(x, rp, logits=True)
     want = proc.sample(u)
-    exact_rows = []
-    real = masses_module._invert_masses
-
-    def counting(m, uu):
-        exact_rows.append(m.shape[0])
-        return real(m, uu)
-
-    with mock.patch.object(masses_module, "_invert_masses", counting):
+    with _counting_exact_draws() as exact_rows:
         tokens, logprobs = sample_plain(x, rp, u, step=3)
     assert torch.equal(tokens, want)
     torch.testing.assert_close(logprobs, in_vector_body(torch.log, proc.prob(want)), rtol=0, atol=0, equal_nan=True)
