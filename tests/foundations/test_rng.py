@@ -183,6 +183,28 @@ def test_a_lone_request_gets_the_same_bits_as_in_a_batch_at_full_vocabulary(V, t
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("V, min_p", [(128256, 0.0), (50257, 0.0), (50257, 0.05)])
+def test_a_lone_plain_request_draws_the_same_bits_as_in_a_batch(V, min_p):
+    """Plain rows with shared parameters are drawn from bounds, in blocks of rows (sample_plain): a row's token and
+    log-probability must not see the block it fell in, nor the batch (the bounds' float32 sums round by the batch's
+    shape; the token is the exact-mass token whatever they are)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(6)
+        B = 20
+        logits = torch.randn(B, V, generator=g) * 3
+        params = SP(temperature=0.8, min_p=min_p)
+        seed = torch.arange(B) + 3
+        batch = ss.sample_from_logits(logits, params, ss.Philox(seed))
+        for b in range(B):
+            alone = ss.sample_from_logits(logits[b : b + 1], params, ss.Philox(seed[b : b + 1]))
+            assert torch.equal(alone.tokens, batch.tokens[b : b + 1]) and torch.equal(alone.logprobs,
+                                                                                       batch.logprobs[b : b + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("C", [0, 1, 255, 256, 1000, 40000, 128257])
 def test_row_sums_do_not_see_the_batch(C):
     from specsampler.sampling.processing import padded_row_sum, row_sum
