@@ -198,15 +198,23 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
             test_q[ba[more], nxt[more]] = divide_by(torch.where(x_n == x_k, 0.0, q_n), q_mass)[more]
     ok = c.usable & (u_accept * test_q < test_r)
     path, n, stop = _walk_down(c, ok)
-    batch = torch.arange(B, device=dev)
-    slot = nodes.slot[batch, stop]
-    row = nodes.row(batch, stop)
-    inner = slot >= 0
-    w = torch.where(inner[:, None], r[slot.clamp(min=0)], target.probs[row])
-    lo = torch.where(inner[None], lo[:, slot.clamp(min=0)], target.lo[:, row])
-    hi = torch.where(inner[None], hi[:, slot.clamp(min=0)], target.hi[:, row])
-    y, _ = yield from draw(w, u_draw[batch, stop], lo, hi, target.layout, shard)
+    y = yield from _draw_at(stop, nodes, target, r, lo, hi, u_draw, shard)
     return path, n, y
+
+
+def _draw_at(node: Tensor, nodes: _Nodes, target, residual: Tensor, lo: Tensor, hi: Tensor, u_draw: Tensor,
+             shard: VocabShard) -> Task[Tensor]:
+    """The walk's one draw, at each request's ``node`` int64 ``[B]``: from the node's last residual (``residual``
+    ``[s, size]`` with its bounds ``lo``, ``hi`` ``[world, s]``, one per node with children, in ``nodes``' slots) or,
+    at a leaf, from its processed row; at the node's uniform in ``u_draw`` ``[B, N]``. Global ids ``[B]``."""
+    batch = torch.arange(node.numel(), device=node.device)
+    slot, row = nodes.slot[batch, node], nodes.row(batch, node)
+    inner, at = slot >= 0, slot.clamp(min=0)
+    w = torch.where(inner[:, None], residual[at], target.probs[row])
+    lo = torch.where(inner[None], lo[:, at], target.lo[:, row])
+    hi = torch.where(inner[None], hi[:, at], target.hi[:, row])
+    y, _ = yield from draw(w, u_draw[batch, node], lo, hi, target.layout, shard)
+    return y
 
 
 def _renormalised_bounds(lo: Tensor, hi: Tensor, act: Tensor, mass: Tensor, count: Tensor, total: Tensor) -> None:
@@ -314,13 +322,8 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
     # the first node in post-order whose test passes (the root always does)
     passed = (t.depth == 0) | ((t.depth > 0) & (u_accept < a))
     leaf = torch.where(passed, _post_order(t), N * N).argmin(-1)
+    y = yield from _draw_at(leaf, nodes, target, mb, lo, hi, u_draw, shard)
     batch = torch.arange(B, device=dev)
-    slot, row = nodes.slot[batch, leaf], nodes.row(batch, leaf)
-    inner = slot >= 0
-    w = torch.where(inner[:, None], mb[slot.clamp(min=0)], target.probs[row])
-    lo = torch.where(inner[None], lo[:, slot.clamp(min=0)], target.lo[:, row])
-    hi = torch.where(inner[None], hi[:, slot.clamp(min=0)], target.hi[:, row])
-    y, _ = yield from draw(w, u_draw[batch, leaf], lo, hi, target.layout, shard)
     n = t.depth[batch, leaf]
     path = torch.full((B, t.max_depth + 1), -1, dtype=torch.int64, device=dev)
     node = leaf
