@@ -162,7 +162,7 @@ def sample(rows: Rows, u: Tensor, num_logprobs: int, shard: VocabShard) -> Task[
         tokens[b] = rows.part.sample(u[b])
         probs[b] = rows.part.prob(tokens[b])
         if num_logprobs:
-            top_probs[b], top_ids[b] = _top_of_part(rows.part, num_logprobs)
+            top_probs[b], top_ids[b] = rows.part.top_probs(num_logprobs)
     b = (~held).nonzero()[:, 0]
     if b.numel():
         w = rows.probs.index_select(0, b)
@@ -174,16 +174,6 @@ def sample(rows: Rows, u: Tensor, num_logprobs: int, shard: VocabShard) -> Task[
         if num_logprobs:
             top_probs[b], top_ids[b] = got[1]
     return tokens, probs, torch.where(top_probs > 0, top_ids, -1), top_probs
-
-
-def _top_of_part(part: Part, n: int) -> tuple[Tensor, Tensor]:
-    """The ``n`` most likely of a candidate part, as :meth:`Part.top` orders them: probabilities and ids."""
-    probs, pos = ordered_prefix(part.probs, n)
-    ids = part.ids.gather(1, pos)
-    if probs.shape[1] < n:
-        probs = torch.nn.functional.pad(probs, (0, n - probs.shape[1]))
-        ids = torch.nn.functional.pad(ids, (0, n - ids.shape[1]), value=-1)
-    return probs, ids
 
 
 def _gathered_best(w: Tensor, n: int, shard: VocabShard) -> Task[tuple[Tensor, Tensor]]:

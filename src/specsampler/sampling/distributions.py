@@ -49,13 +49,19 @@ class Part:
         return torch.where(self.ids == tokens[:, None], self.probs, 0.0).sum(-1)
 
     def top(self, n: int) -> tuple[Tensor, Tensor]:
+        probs, ids = self.top_probs(n)
+        return torch.where(probs > 0, ids, -1), in_vector_body(torch.log, probs)
+
+    def top_probs(self, n: int) -> tuple[Tensor, Tensor]:
+        """The ``n`` most likely tokens of each row (probability desc, id asc): probabilities float32 ``[r, n]`` and
+        ids int64, padded with probability 0 and id -1 past the candidates."""
         probs, pos = ordered_prefix(self.probs, n)
         ids = pos if self.ids is None else self.ids.gather(1, pos)
         if probs.shape[1] < n:  # fewer candidates than asked: pad
             pad = n - probs.shape[1]
             probs = torch.nn.functional.pad(probs, (0, pad))
             ids = torch.nn.functional.pad(ids, (0, pad), value=-1)
-        return torch.where(probs > 0, ids, -1), in_vector_body(torch.log, probs)
+        return probs, ids
 
 
 @dataclass(frozen=True)
