@@ -32,11 +32,11 @@ def masses(w: Tensor, scratch: str | None = None) -> Tensor:
     scratch = scratch if w.numel() >= _SCRATCH_FROM else None
     f32 = None if scratch is None else SCRATCH.get(scratch + " (float32)", w.shape, torch.float32, w.device)
     # w * 2**32 and its floor are exact in float32 (a power-of-two scale; from 2**24 on a float32 is an integer)
-    m = _scaled(torch.nan_to_num(w, nan=0.0, out=f32).clamp_(0.0, 1.0))
+    m = scaled_masses(torch.nan_to_num(w, nan=0.0, out=f32).clamp_(0.0, 1.0))
     return m.double() if scratch is None else SCRATCH.get(scratch, w.shape, torch.float64, w.device).copy_(m)
 
 
-def _scaled(w: Tensor, z: Tensor | float = 1.0, out: Tensor | None = None) -> Tensor:
+def scaled_masses(w: Tensor, z: Tensor | float = 1.0, out: Tensor | None = None) -> Tensor:
     """``floor(fl(w / z) * 2**32)`` float32 (in place in ``w`` unless ``out``), for ``w / z`` non-negative or NaN:
     one pass, as ``trunc(w / (z * 2**-32))`` (scaling by a power of two commutes with rounding; a quotient below
     float32's normal range has mass 0 either way; trunc is floor on non-negatives). ``z``: float32 ``[R, 1]``, or
@@ -58,7 +58,7 @@ def row_mass(w: Tensor, keepdim: bool = False, unit: bool = False) -> Tensor:
         return masses(w).sum(-1, keepdim=keepdim)
     # the masses with NaN kept (one pass fewer than masses()): a row holding a NaN sums to NaN and is redone
     f = SCRATCH.get(ROW_MASSES, w.shape, torch.float32, w.device)
-    f = _scaled(w, out=f) if unit else _scaled(torch.clamp(w, 0.0, 1.0, out=f))
+    f = scaled_masses(w, out=f) if unit else scaled_masses(torch.clamp(w, 0.0, 1.0, out=f))
     z = SCRATCH.get("row masses", w.shape, torch.float64, w.device).copy_(f).sum(-1, keepdim)
     nan = z.isnan()
     if bool(nan.any()):
@@ -180,7 +180,7 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
     in the chunk: the sums add whole slices of it, a vectorised read; consecutive in a last, partial chunk), each
     sum within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
     integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
-    f = _scaled(torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
+    f = scaled_masses(torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
                             else SCRATCH.get(scratch, w.shape, torch.float32, w.device)))
     return (*chunk_sum_bounds(chunk_sums(f)), f)
 
@@ -212,8 +212,8 @@ def normalised_masses(w: Tensor, mass: Tensor, out: Tensor) -> Tensor:
     weight of 1 in the row: quotients at most 1; :func:`odd_masses` are the others).
 
     ``z`` is the mass as a float32 weight (:func:`as_weight`); rows of mass 0 divide to 0, as :func:`divide_by`
-    does (:func:`_scaled`)."""
-    return _scaled(w, torch.where(mass > 0, as_weight(mass), float("inf")), out)
+    does (:func:`scaled_masses`)."""
+    return scaled_masses(w, torch.where(mass > 0, as_weight(mass), float("inf")), out)
 
 
 def odd_masses(mass: Tensor) -> Tensor:

@@ -26,8 +26,8 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _weights, sample_plain
-from .masses import MASS_BITS
+from .filters import _FAR, _scale, _weights, sample_plain
+from .masses import as_weight, scaled_masses
 from .processing import Processed, in_vector_body, process, sample_by_inversion
 
 
@@ -279,7 +279,6 @@ def _sample_rows(x: Tensor, rp: RowParams, u: Tensor, num_logprobs: int) -> tupl
 
 # ------------------------------------------------------------------- small rows, for callers that built the inputs
 
-_LOG2E = math.log2(math.e)
 _SMALL_V = 1024  # process() orders top-p rows this short whole, and so does _process_small
 
 
@@ -291,8 +290,7 @@ def _small_constants(rp: RowParams, V: int) -> tuple[Tensor, ...] | None:
     s = rp.shared
     if s is None or V > _SMALL_V or V % 64 or s.temperature == 0 or 0 < s.top_k < V or s.top_p >= 1 or s.min_p:
         return None
-    c = torch.full_like(rp.temperature, _LOG2E).div_(rp.temperature)[:, None]
-    return c, rp.top_p.double()[:, None]
+    return _scale(rp.temperature), rp.top_p.double()[:, None]
 
 
 def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None:
@@ -313,13 +311,12 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
     w = torch.mul(x, c).sub_(tc).exp2_().clamp_(max=1.0)
     w, order = torch.sort(w, dim=-1, descending=True, stable=True)
-    m = w.double().mul_(2.0**MASS_BITS).floor_()  # masses.masses() of weights in [0, 1]
+    m = scaled_masses(w, out=torch.empty_like(w)).double()  # masses.masses() of weights in [0, 1]
     cum = m.cumsum(-1)
     # masses.top_p_target: ceil(top_p * Z), at most Z already (top_p < 1 and Z an integer)
     keep = (cum - m) < torch.ceil(top_p * cum[:, -1:])
-    # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero),
-    # as a float32 weight (masses.as_weight: a power-of-two scale of the float32 rounding)
-    kept = torch.where(keep, w, 0.0).div_(torch.where(keep, m, 0.0).sum(-1, keepdim=True).float().mul_(2.0**-MASS_BITS))
+    # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero)
+    kept = torch.where(keep, w, 0.0).div_(as_weight(torch.where(keep, m, 0.0).sum(-1, keepdim=True)))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 
