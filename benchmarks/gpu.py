@@ -32,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import traceback
 
 import torch
 
@@ -48,6 +49,10 @@ except Exception:  # noqa: BLE001 - any import failure means: no FlashInfer base
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 BASELINES = True  # --no-baselines: time our kernels only
 CHAIN_VOCABS: list[int] | None = None  # --chain-vocab: the chain shapes of these vocabulary sizes only
+GENERATORS: list[torch.Generator] = []  # the baselines' device generator, registered with each captured graph
+PROFILE = False  # --profile: list the kernels one call of each op launches, with their device times
+OUT: str | None = None  # --out: rewritten after every record, so a run cut off keeps what it measured
+RECORDS: list[dict] = []
 STAGES = None  # the kernels' pipelining depth (SPECSAMPLER_PIPELINE_STAGES), None without Triton
 PROGRAMS_PER_SM = None  # programs the kernels' register limit fits on an SM (SPECSAMPLER_PROGRAMS_PER_SM)
 if triton_available():
@@ -60,7 +65,11 @@ if triton_available():
 
 
 def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
-    """Median seconds per call of ``fn``, from CUDA-graph replays (or eager events, or the CPU clock)."""
+    """Median seconds per call of ``fn``, from CUDA-graph replays (or eager events, or the CPU clock).
+
+    The baselines draw from ``GENERATORS`` (a device generator of their own): registered with the graph, as
+    capture requires of a generator other than the default one (unregistered, torch refused the capture and
+    the baselines were timed eagerly, their launches counted)."""
     if device.type != "cuda":
         import time
 
@@ -81,12 +90,17 @@ def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
     mode = "graph"
     try:
         graph = torch.cuda.CUDAGraph()
+        for gen in GENERATORS:
+            graph.register_generator_state(gen)
         with torch.cuda.graph(graph):
             for _ in range(inner):
                 fn()
         run = graph.replay
     except Exception as err:  # noqa: BLE001 - not capturable: time it eagerly
-        print(f"  (not capturable, timed eagerly: {type(err).__name__}: {str(err)[:120]})", file=sys.stderr)
+        where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                            for f in reversed(traceback.extract_tb(err.__traceback__)[-4:]))
+        print(f"  (not capturable, timed eagerly: {type(err).__name__}: {str(err)[:160]} at {where})",
+              file=sys.stderr)
         torch.cuda.synchronize()
         mode = "eager"
 
@@ -124,18 +138,42 @@ def record(op: str, device: torch.device, shape: dict, logits: torch.Tensor, our
            "timing": mode, "copy_rate_tbps": round(rate / 1e12, 3), "pipeline_stages": STAGES,
            "programs_per_sm": PROGRAMS_PER_SM,
            "flashinfer": getattr(flashinfer, "__version__", None), "baselines": {}, "baseline_us": {}}
+    if PROFILE and device.type == "cuda":
+        rec["kernels"] = kernels_of(ours)
     for name, fn in baselines.items() if BASELINES else ():
         try:
-            tb, _ = timed(fn, device, reps, inner)
+            tb, mode_b = timed(fn, device, reps, inner)
         except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, not fatal
             print(f"  baseline {name} failed: {type(err).__name__}: {str(err)[:160]}", file=sys.stderr)
             continue
         rec["baselines"][name] = round(tb / t, 3)
         rec["baseline_us"][name] = round(tb * 1e6, 2)
+        rec.setdefault("baseline_timing", {})[name] = mode_b
     shape_s = " ".join(f"{k}={v}" for k, v in shape.items())
     base_s = ", ".join(f"{k} {v}x" for k, v in rec["baselines"].items())
     print(f"{op:<26}{shape_s:<80} {t * 1e6:>10.1f}{rec['floor_ratio']:>8.2f}  {base_s}", flush=True)
+    for k in rec.get("kernels", ()):
+        print(f"    {k['us']:>8.2f} us  {k['name'][:110]}", flush=True)
+    RECORDS.append(rec)
+    if OUT:
+        with open(OUT, "w") as f:
+            json.dump(RECORDS, f, indent=1)
     return rec
+
+
+def kernels_of(fn) -> list[dict]:
+    """The device kernels (and copies, memsets) one eager call of ``fn`` launches, in launch order, with their
+    device times: where a small batch's time goes (a graph replays the same launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    return [{"name": e.name, "us": round(e.time_range.elapsed_us(), 2)} for e in events]
 
 
 def chain_records(device, g, gd, rate, reps, inner, quick) -> list[dict]:
@@ -321,7 +359,7 @@ def compare(paths: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global BASELINES, CHAIN_VOCABS
+    global BASELINES, CHAIN_VOCABS, PROFILE, OUT
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
@@ -333,30 +371,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chain-vocab", type=int, action="append", metavar="V",
                    help="only the chain shapes of this vocabulary size (repeatable): compile passes split by it")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="print these result files side by side, run nothing")
+    p.add_argument("--profile", action="store_true",
+                   help="list each op's kernels (one eager call, torch.profiler) under its line and in its record")
     args = p.parse_args(argv)
     if args.compare:
         compare(args.compare)
         return 0
     BASELINES = not args.no_baselines
     CHAIN_VOCABS = args.chain_vocab
+    PROFILE = args.profile
+    OUT = args.out
+    if OUT:
+        os.makedirs(os.path.dirname(os.path.abspath(OUT)), exist_ok=True)
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     gd = torch.Generator(device=device).manual_seed(1)
+    if device.type == "cuda":
+        GENERATORS.append(gd)
     rate = copy_rate(device, args.reps)
     print(f"{bench.device_name(device)}; copy rate {rate / 1e12:.2f} TB/s (read + write); "
           f"flashinfer {getattr(flashinfer, '__version__', 'not installed')}; "
           f"backend {'triton' if use_triton(device) else 'torch'}; pipeline stages {STAGES}; "
           f"programs per SM {PROGRAMS_PER_SM}")
     print(f"{'op':<26}{'shape':<81}{'median us':>10}{'floor x':>8}  baselines (speedup)")
-    records = []
     suites = {"latency": latency_records, "chain": chain_records, "sampling": sampling_records, "tree": tree_records}
     for name in args.only or suites:
-        records += suites[name](device, g, gd, rate, args.reps, args.inner, args.quick)
-        if args.out:  # after each suite: a run cut off by a time limit keeps what it measured
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(records, f, indent=1)
+        suites[name](device, g, gd, rate, args.reps, args.inner, args.quick)
     if args.out:
+        with open(args.out, "w") as f:  # also when no shape was chosen
+            json.dump(RECORDS, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 

@@ -5,11 +5,13 @@
 # names what it could not finish; logs and results go under $OUT (default ./gpu-out), at most 8 files.
 #
 #   bash benchmarks/gpu_session.sh check        # ~6.5 min: warmup tests demo latency
+#   bash benchmarks/gpu_session.sh measure      # <= 9.5 min: flashinfer latency bench tests (FlashInfer built
+#                                               #   while the latency phase compiles and runs)
 #   bash benchmarks/gpu_session.sh warmup       # compile every specialisation of V = 128256 (bf16 and float32
 #                                               #   logits) in 16 processes; a second process from the cache
 #   TESTS="node ids" bash ... tests             # the GPU tests (-m gpu), or those named; -v, a per-test timeout
 #   bash benchmarks/gpu_session.sh demo         # `specsampler demo --device cuda`, cold then warm
-#   bash benchmarks/gpu_session.sh latency      # every op at B = 1, and sampling (benchmarks/gpu.py)
+#   bash benchmarks/gpu_session.sh latency      # every op at B = 1, its kernels listed (benchmarks/gpu.py)
 #   bash benchmarks/gpu_session.sh flashinfer   # FlashInfer from the carried pack (benchmarks/flashinfer_carry.sh;
 #                                               #   carry .flashinfer): its sampling and top-k modules built in
 #                                               #   the background while the next phases run
@@ -93,17 +95,17 @@ for phase in "$@"; do
       grep -h "launches warmed up" "$OUT/warmup.log" | tee -a "$log" ;;
     tests)  # the GPU tests (or those named in $TESTS), each named with its outcome (-v: a line per test)
       # shellcheck disable=SC2086
-      step 230 tests python3 -m pytest -v -n 8 --timeout 120 -p no:cacheprovider ${TESTS:--m gpu tests}
+      step "${TESTS_LIMIT:-230}" tests python3 -m pytest -v -n 8 --timeout 120 -p no:cacheprovider ${TESTS:--m gpu tests}
       grep -hE "^(FAILED|ERROR)|(passed|failed|error).* in " "$OUT/tests.log" | tee -a "$log" ;;
     demo)  # the demo on the GPU: cold (its kernels for V = 256 compiled), then warm (from the cache)
       step 150 demo python3 -m specsampler.cli demo --device cuda
       step 90 demo python3 -m specsampler.cli demo --device cuda
       grep -hE "^kernels:|^Total" "$OUT/demo.log" | tee -a "$log" ;;
-    latency)  # every op at B = 1, and sampling, against one read of the logits (no baselines but PyTorch's)
+    latency)  # every op at B = 1 against one read of the logits, and the kernels one call launches
       # shellcheck disable=SC2086
-      step 100 bench python3 benchmarks/gpu.py --only latency --only sampling --reps 10 ${GPU_ARGS:-} \
-        --out "$OUT/gpu-latency.json"
-      tail -n 30 "$OUT/bench.log" ;;
+      step "${LATENCY_LIMIT:-100}" bench python3 benchmarks/gpu.py --only latency --profile --reps 10 \
+        ${GPU_ARGS:-} --out "$OUT/gpu-latency.json"
+      grep -vE "^ +[0-9.]+ us  " "$OUT/bench.log" | tail -n 30 ;;
     flashinfer) flashinfer_setup ;;
     bench)  # chains (V = 128256), sampling and trees, with FlashInfer's baselines when flashinfer ran before
       if [ -n "${fi_build:-}" ]; then
@@ -111,7 +113,7 @@ for phase in "$@"; do
         tail -n 3 "$OUT/flashinfer.log" | tee -a "$log"
       fi
       # shellcheck disable=SC2086
-      step 280 bench python3 benchmarks/gpu.py --only chain --only sampling --only tree --reps 10 \
+      step "${BENCH_LIMIT:-280}" bench python3 benchmarks/gpu.py --only chain --only sampling --only tree --reps 10 \
         ${GPU_ARGS:---chain-vocab 128256} --out "$OUT/gpu-bench.json"
       tail -n 40 "$OUT/bench.log" ;;
     exact)  # the exactness Monte Carlo against the kernels at full size
@@ -131,6 +133,7 @@ SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE
       done
       python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/tune-compare.txt" | tee -a "$log" ;;
     check) bash "$0" warmup tests demo latency ;;
+    measure) TESTS_LIMIT=150 LATENCY_LIMIT=120 BENCH_LIMIT=260 bash "$0" flashinfer latency bench tests ;;
     *) echo "unknown phase: $phase" >&2; exit 2 ;;
   esac
 done
