@@ -48,6 +48,7 @@ except Exception:  # noqa: BLE001 - any import failure means: no FlashInfer base
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 BASELINES = True  # --no-baselines: time our kernels only
+FI_TOPK = True  # --no-flashinfer-topk: leave out the FlashInfer baselines that need its top-k module (not built)
 CHAIN_VOCABS: list[int] | None = None  # --chain-vocab: the chain shapes of these vocabulary sizes only
 GENERATORS: list[torch.Generator] = []  # the baselines' device generator, registered with each captured graph
 PROFILE = False  # --profile: list the kernels one call of each op launches, with their device times
@@ -58,10 +59,12 @@ PROGRAMS_PER_SM = None  # programs the kernels' register limit fits on an SM (SP
 if triton_available():
     from specsampler.kernels import chain as kchain
     from specsampler.kernels import sampling as ksampling
-    from specsampler.kernels.rows import PROGRAMS_PER_SM, parts_per_row, row_config
+    from specsampler.kernels.rows import MAX_PARTS as _MAX_PARTS
+    from specsampler.kernels.rows import PROGRAMS_PER_SM, multiprocessors, parts_per_row, row_config
     from specsampler.kernels.rows import STAGES as _STAGES
 
     STAGES = _STAGES.value
+    MAX_PARTS = _MAX_PARTS.value
 
 
 def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
@@ -208,9 +211,17 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
     out.append(record("chain_verify_from_logits", device, {**shape, "method": "token", "rows_in_parallel": parallel},
                       logits, lambda: ss.verify_chain_from_logits(logits, draft, params, draft_probs=q, method="token",
                                                                   rng=rng), base, rate, reps, inner))
-    if use_triton(device):  # diagnostics for the defaults: the serial walk ("chain-serial"), and rows not split
+    if use_triton(device):  # diagnostics for the defaults: the serial walk ("chain-serial"), rows not split where
+        # they are, and where they are not, split in two waves' worth of programs (a batch of rows past the GPU's
+        # slots leaves a last wave part-filled: 288 rows in 264 slots measured 2.5x a read on an H100)
         rp = params.rows("bench", B, K + 1, device, False)
-        for in_parallel, n_parts in [(not parallel, 0 if parallel else split)] + ([(True, 0)] if parts else []):
+        variants = [(not parallel, 0 if parallel else split)]
+        sms = multiprocessors(device)
+        if parts:
+            variants.append((True, 0))
+        elif sms:
+            variants.append((True, min(max(2, -(-2 * PROGRAMS_PER_SM * sms // (B * (K + 1)))), MAX_PARTS)))
+        for in_parallel, n_parts in variants:
             out.append(record(
                 "chain_verify_from_logits", device,
                 {**shape, "parts": n_parts, "method": "token", "rows_in_parallel": in_parallel}, logits,
@@ -218,7 +229,7 @@ def chain_shape(device, g, gd, rate, reps, inner, B, K, V) -> list[dict]:
                     logits, draft, q, None, "token", rp.temperature, rp.top_k, rp.top_p, rp.min_p, None, rng.seed,
                     rng.offset, rows_in_parallel=in_parallel, parts=n_parts), {}, rate, reps, inner))
     base = {"torch": lambda: bench.sort_sampler(logits.view(-1, V), TEMPERATURE, TOP_K, TOP_P, gd)}
-    if fis is not None:
+    if fis is not None and FI_TOPK:
         def fi_fused():
             y = fis.top_k_top_p_sampling_from_logits(logits.view(-1, V), TOP_K, TOP_P).view(B, K + 1)
             return (y[:, :K] == draft).int().cumprod(1).sum(1), y
@@ -257,11 +268,11 @@ def sampling_shape(device, g, gd, rate, reps, inner, B, V, temperature, top_k, t
         shape = {"B": B, "V": V, "top_k": top_k, "top_p": top_p}
         base = {"torch": lambda: bench.sort_sampler(logits, temperature, top_k, top_p, gd)}
         # FlashInfer's functions from logits take no temperature: the rows' is TEMPERATURE, 1
-        if fis is not None and top_k:
+        if fis is not None and top_k and FI_TOPK:
             base["flashinfer"] = lambda: fis.top_k_top_p_sampling_from_logits(logits, top_k, top_p)
-        elif fis is not None and top_p < 1:
+        elif fis is not None and top_p < 1 and not top_k:
             base["flashinfer"] = lambda: fis.top_p_sampling_from_probs(fis.softmax(logits, temperature), top_p)
-        elif fis is not None:
+        elif fis is not None and not top_k:
             base["flashinfer"] = lambda: fis.sampling_from_logits(logits)
     out = []
     parts = parts_per_row(B, V, row_config(V), device) if use_triton(device) else 0
@@ -359,7 +370,7 @@ def compare(paths: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global BASELINES, CHAIN_VOCABS, PROFILE, OUT
+    global BASELINES, CHAIN_VOCABS, PROFILE, OUT, FI_TOPK
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--reps", type=int, default=20)
@@ -368,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("latency", "chain", "sampling", "tree"), action="append")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--no-baselines", action="store_true", help="time the kernels only (tuning runs)")
+    p.add_argument("--no-flashinfer-topk", action="store_true",
+                   help="leave out the FlashInfer baselines built on its top-k module "
+                        "(top_k_top_p_sampling_from_logits from V = 65536 on), when that module was not built")
     p.add_argument("--chain-vocab", type=int, action="append", metavar="V",
                    help="only the chain shapes of this vocabulary size (repeatable): compile passes split by it")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="print these result files side by side, run nothing")
@@ -378,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         compare(args.compare)
         return 0
     BASELINES = not args.no_baselines
+    FI_TOPK = not args.no_flashinfer_topk
     CHAIN_VOCABS = args.chain_vocab
     PROFILE = args.profile
     OUT = args.out

@@ -14,7 +14,8 @@
 #   bash benchmarks/gpu_session.sh latency      # every op at B = 1, its kernels listed (benchmarks/gpu.py)
 #   bash benchmarks/gpu_session.sh flashinfer   # FlashInfer from the carried pack (benchmarks/flashinfer_carry.sh;
 #                                               #   carry .flashinfer): its sampling and top-k modules built in
-#                                               #   the background while the next phases run
+#                                               #   the background while the next phases run (bench takes the
+#                                               #   top-k module's baselines only if it is built by then)
 #   bash benchmarks/gpu_session.sh flashinfer bench   # chains, sampling and trees with FlashInfer's baselines
 #   bash benchmarks/gpu_session.sh exact        # the exactness Monte Carlo against the kernels, full size
 #   SETTINGS="A=1 B=2;A=3" bash ... tune        # gpu.py's shapes under each setting of the kernels' environment
@@ -75,13 +76,18 @@ for lib in ("libcudart.so", "libcuda.so"):
         os.symlink(path, f"/tmp/fi-lib/{lib}")
 PY
   export LIBRARY_PATH="/tmp/fi-lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
-  # the sampling and top-k modules, compiled on first use: built now, in the background (nvcc, 8 jobs), while
-  # the phases after this one run; `bench` waits for it. top_k_top_p_sampling_from_logits takes its top-k module
-  # (a radix top-k, then top-p over the k) only from V = 65536 on: a smaller row would leave it unbuilt, and the
-  # benchmark would build it inside its own time limit (it did, 2026-11-27)
-  step 300 flashinfer python3 -c "import time, torch, flashinfer.sampling as s; t = time.time()
-x = torch.randn(2, 65536, device='cuda'); s.top_k_top_p_sampling_from_logits(x, 5, 0.9); s.softmax(x)
-print(f'FlashInfer sampling and top-k modules built and loaded in {time.time() - t:.0f} s')" &
+  # the sampling and top-k modules, compiled on first use: built now, in the background (nvcc, 8 jobs), one after
+  # the other, while the phases after this one run; `bench` waits for the sampling module (its sequential
+  # baselines) and takes the top-k one only if it is built by then. top_k_top_p_sampling_from_logits takes the
+  # top-k module (a radix top-k, then top-p over the k) only from V = 65536 on. Measured 2026-11-27: the sampling
+  # module about 100 s on both machines; the top-k module over 300 s on the H100 machine (cut off there)
+  rm -f "$OUT/.fi-sampling" "$OUT/.fi-topk"
+  ( step 240 flashinfer python3 -c "import time, torch, flashinfer.sampling as s; t = time.time()
+x = torch.randn(2, 4096, device='cuda'); s.top_p_renorm_probs(s.top_k_renorm_probs(s.softmax(x), 5), 0.9)
+print(f'FlashInfer sampling module built and loaded in {time.time() - t:.0f} s')" && touch "$OUT/.fi-sampling"
+    step "${FI_TOPK_LIMIT:-900}" flashinfer python3 -c "import time, torch, flashinfer.sampling as s
+t = time.time(); s.top_k_top_p_sampling_from_logits(torch.randn(2, 65536, device='cuda'), 5, 0.9)
+print(f'FlashInfer top-k module built and loaded in {time.time() - t:.0f} s')" && touch "$OUT/.fi-topk" ) &
   fi_build=$!
 }
 
@@ -108,13 +114,15 @@ for phase in "$@"; do
       grep -vE "^ +[0-9.]+ us  " "$OUT/bench.log" | tail -n 30 ;;
     flashinfer) flashinfer_setup ;;
     bench)  # chains (V = 128256), sampling and trees, with FlashInfer's baselines when flashinfer ran before
+      fi_args=()
       if [ -n "${fi_build:-}" ]; then
-        wait "$fi_build"
-        tail -n 3 "$OUT/flashinfer.log" | tee -a "$log"
+        while [ ! -f "$OUT/.fi-sampling" ] && kill -0 "$fi_build" 2>/dev/null; do sleep 2; done
+        [ -f "$OUT/.fi-topk" ] || fi_args=(--no-flashinfer-topk)
+        say "[bench] FlashInfer modules built: $(ls "$OUT"/.fi-* 2>/dev/null | sed 's/.*\.fi-//' | tr '\n' ' ')"
       fi
       # shellcheck disable=SC2086
       step "${BENCH_LIMIT:-280}" bench python3 benchmarks/gpu.py --only chain --only sampling --only tree --reps 10 \
-        ${GPU_ARGS:---chain-vocab 128256} --out "$OUT/gpu-bench.json"
+        ${GPU_ARGS:---chain-vocab 128256} "${fi_args[@]}" --out "$OUT/gpu-bench.json"
       tail -n 40 "$OUT/bench.log" ;;
     exact)  # the exactness Monte Carlo against the kernels at full size
       SPECSAMPLER_FULL_MC=1 step 400 exact python3 -m pytest -v -n 8 --timeout 300 -p no:cacheprovider -m gpu \
