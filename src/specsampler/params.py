@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import constants
 from .validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
 
 # name -> (dtype kind, dtype, rule for bad values, what is expected)
@@ -58,7 +59,8 @@ class SamplingParams:
                 fail("SamplingParams", full_name, want, v)
 
     def rows(self, op: str, batch: int, per_request: int, device: torch.device, full: bool) -> RowParams:
-        """The parameters of each of ``batch * per_request`` rows (request-major), validated."""
+        """The parameters of each of ``batch * per_request`` rows (request-major), validated. A parameter given as
+        a scalar is a tensor shared by every call (:mod:`specsampler.constants`): read it, never write to it."""
         out = {}
         for name, (_, dtype, bad, want) in _FIELDS.items():
             v = getattr(self, name)
@@ -69,9 +71,9 @@ class SamplingParams:
                 if bad is not None and values_checkable(v, full):
                     check_no_bad(op, full_name, bad(v.to(dtype)), v, want)
                 v = v.to(device=device, dtype=dtype).expand(batch)
-            else:
-                v = torch.full((batch,), v, dtype=dtype, device=device)
-            out[name] = v.repeat_interleave(per_request) if per_request != 1 else v.contiguous()
+                out[name] = v.repeat_interleave(per_request) if per_request != 1 else v.contiguous()
+            else:  # made once per (value, rows, device): no launch per call on a GPU
+                out[name] = constants.full(batch * per_request, v, dtype, device)
         scalars = not any(isinstance(getattr(self, name), Tensor) for name in _FIELDS)
         return RowParams(**out, shared=self if scalars else None)
 

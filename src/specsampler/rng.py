@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import constants
 from .validation import check_shape, check_tensor, fail
 
 STREAM_SAMPLE = 0
@@ -49,7 +50,8 @@ class Philox:
         return Philox(self.seed, self.offset + steps)
 
     def keys(self, op: str, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(seed, offset)`` as int64 tensors ``[batch]`` on ``device``."""
+        """``(seed, offset)`` as int64 tensors ``[batch]`` on ``device`` (made from an int: a tensor shared by
+        every call, :mod:`specsampler.constants`; read only)."""
         return _per_request(op, "Philox.seed", self.seed, batch, device), _per_request(
             op, "Philox.offset", self.offset, batch, device
         )
@@ -86,7 +88,7 @@ def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.
         fail(op, name, "an int or an int64 tensor [B]", type(v).__name__)
     if not -(2**63) <= v < 2**63:
         fail(op, name, "a value that fits in int64", v)
-    return torch.full((batch,), v, dtype=torch.int64, device=device)
+    return constants.full(batch, v, torch.int64, device)
 
 
 def check_rng(op: str, rng: object) -> None:

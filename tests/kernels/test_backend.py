@@ -190,3 +190,85 @@ def test_verify_tree_from_logits_gives_the_same_result_on_both_back_ends(monkeyp
             logits, x, tree, params, draft_probs=q, method=method, draft_sampling=drafting, rng=seeded(),
             vocab_mask=mask))
         assert torch.equal(got.path, ref.path) and torch.equal(got.tokens, ref.tokens)
+
+
+_VIEWS = {"view", "_unsafe_view", "unsqueeze", "expand", "slice", "select", "alias", "detach", "reshape",
+          "squeeze", "t", "transpose", "permute", "as_strided"}
+
+
+def _launches_besides_the_kernel(fn) -> list[str]:
+    """The aten ops (views aside: they launch nothing) a call dispatches besides its kernel's custom op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen, kernels = [], []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if func.namespace == "specsampler":
+                kernels.append(name)
+            elif name not in _VIEWS:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        fn()
+    assert kernels, "the kernel did not run"
+    return seen
+
+
+def test_a_call_with_shared_parameters_launches_its_kernel_alone(monkeypatch):
+    """At a small batch a GPU op's time is its launches (at B = 1 on an H100 a chain verify launched 16 fills and
+    checks besides its 3 kernels, a tree verify 26 besides its one): per-row parameters given as scalars, default
+    draft counts and draw indices are made once; the drafts' clamping and masks are left to the paths that read
+    them; the tree kernel writes the emitted tokens and last node itself."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    g = torch.Generator().manual_seed(0)
+    V, K = 300, 3
+    params, greedy = ss.SamplingParams(temperature=0.7, top_k=20, top_p=0.9), ss.SamplingParams(temperature=0.0)
+    rng = ss.Philox(torch.tensor([5]), torch.tensor([2]))
+    logits, chain = torch.randn(1, V, generator=g), torch.randn(1, K + 1, V, generator=g)
+    drafts = chain[:, :K].argmax(-1)
+    q = torch.softmax(torch.randn(1, K, V, generator=g), -1)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]]))
+    rows, nodes = torch.randn(1, 4, V, generator=g), torch.randint(0, V, (1, 4), generator=g)
+    qt = torch.softmax(torch.randn(1, 4, V, generator=g), -1)
+    logits, chain, drafts, q, rows, nodes, tree, qt = to_device((logits, chain, drafts, q, rows, nodes, tree, qt))
+    calls = {
+        "sample_from_logits": lambda: ss.sample_from_logits(logits, params, rng),
+        "greedy sampling": lambda: ss.sample_from_logits(logits, greedy, ss.Philox(3)),
+        "chain token": lambda: ss.verify_chain_from_logits(chain, drafts, params, draft_probs=q, method="token",
+                                                           rng=rng),
+        "chain target_only": lambda: ss.verify_chain_from_logits(chain, drafts, params, method="target_only",
+                                                                 rng=ss.Philox(1, 4)),
+        "tree target_only": lambda: ss.verify_tree_from_logits(rows, nodes, tree, params, method="target_only",
+                                                               rng=rng),
+        "tree rrs": lambda: ss.verify_tree_from_logits(rows, nodes, tree, params, draft_probs=qt, method="rrs",
+                                                       rng=rng),
+    }  # (a greedy tree also launches one conversion: its expected_accepted is its count as float32)
+    for name, call in calls.items():
+        first = call()
+        assert _launches_besides_the_kernel(call) == [], name
+        again = call()  # the kept tensors were only read: the same result
+        for field in ("tokens", "num_accepted", "path", "last_node"):
+            if hasattr(first, field):
+                assert torch.equal(getattr(first, field), getattr(again, field)), (name, field)
+
+
+def test_kept_constants_are_shared_until_the_limit_then_made_per_call(monkeypatch):
+    from specsampler import constants
+
+    monkeypatch.setattr(constants, "_KEPT", {})
+    a = constants.full(4, 0.5, torch.float32, "cpu")
+    assert a is constants.full(4, 0.5, torch.float32, "cpu") and a.tolist() == [0.5] * 4
+    neg = constants.full(4, -0.0, torch.float32, "cpu")  # equal to 0.0 as a key, not as a value
+    assert neg is not constants.full(4, 0.0, torch.float32, "cpu") and torch.signbit(neg).all()
+    assert constants.full(4, 1, torch.int64, "cpu").dtype == torch.int64
+    assert constants.index_in_request(3, 2, "cpu").tolist() == [0, 1, 0, 1, 0, 1]
+    with torch.inference_mode():  # made inside inference mode, usable outside it
+        made = constants.full(2, 7, torch.int64, "cpu")
+    assert not made.is_inference() and (made + 1).tolist() == [8, 8]
+    monkeypatch.setattr(constants, "LIMIT", len(constants._KEPT))
+    fresh = constants.full(4, 0.25, torch.float32, "cpu")
+    assert fresh is not constants.full(4, 0.25, torch.float32, "cpu") and fresh.tolist() == [0.25] * 4
+    assert constants.full(4, 0.5, torch.float32, "cpu") is a  # the kept ones stay

@@ -104,10 +104,15 @@ def _run(p, x, tree, q, method, sampling, block_v=None, **randomness):
 
 
 def _assert_same(kernel, ref, what):
-    path, n, y = kernel
+    """The kernel's outputs are the reference's: path, count, y, and the emitted tokens and last node it also
+    assembles (as the PyTorch walks' results are assembled)."""
+    path, n, y, *assembled = kernel
     assert torch.equal(path, ref.path), what
     assert torch.equal(n, ref.num_accepted), what
     assert torch.equal(y, ref.tokens.gather(1, ref.num_accepted[:, None])[:, 0]), what
+    if assembled:
+        tokens, last = assembled
+        assert torch.equal(tokens, ref.tokens) and torch.equal(last, ref.last_node), what
 
 
 @pytest.mark.parametrize("method, sampling", WALKS)
@@ -218,7 +223,7 @@ def test_rows_off_the_walk_are_never_read(method, sampling):
     B, N, V = 6, 9, 20
     p, x, q, tree = _case(method, sampling, B, N, V, seed=5)
     ua, us = _uniforms(method, torch.Generator().manual_seed(1), B, N)
-    path, n, y = _run(p, x, tree, q, method, sampling, u_accept=ua, u_sample=us)
+    path, n, y, *assembled = _run(p, x, tree, q, method, sampling, u_accept=ua, u_sample=us)
     p_bad, q_bad = p.clone(), None if q is None else q.clone()
     poisoned = 0
     for b in range(B):
@@ -232,7 +237,7 @@ def test_rows_off_the_walk_are_never_read(method, sampling):
     assert poisoned > B  # the test poisons something
     ref = ss.verify_tree(p_bad, x, tree, q_bad, method=method, draft_sampling=sampling,
                          rng=torch.Generator().manual_seed(1))
-    _assert_same((path, n, y), ref, "reference on the poisoned rows")
+    _assert_same((path, n, y, *assembled), ref, "reference on the poisoned rows")
 
 
 @pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
@@ -268,7 +273,7 @@ def test_traversal_slots_keep_their_own_scratch_rows(sampling):
     ua, us = _uniforms("traversal", rng, B, 7)
     got = _run(p, x, tree, q, "traversal", sampling, u_accept=ua, u_sample=us)
     _assert_same(got, ss.verify_tree(p, x, tree, q, method="traversal", draft_sampling=sampling, rng=rng), sampling)
-    assert_traversal_slots_outcome(*got)
+    assert_traversal_slots_outcome(*got[:3])
 
 
 @pytest.mark.parametrize("method, sampling", WALKS)
@@ -308,7 +313,7 @@ def test_outputs_stay_in_range_on_nan_and_degenerate_rows(method, sampling):
     if q is not None:
         q[3], q[4] = float("nan"), 0.0
     ua, us = _uniforms(method, ss.Philox(1), B, N)
-    path, n, y = _run(p, x, tree, q, method, sampling, u_accept=ua, u_sample=us)
+    path, n, y, *_ = _run(p, x, tree, q, method, sampling, u_accept=ua, u_sample=us)
     assert ((y >= 0) & (y < V)).all()
     for b in range(B):
         walk = path[b, : int(n[b]) + 1].tolist()

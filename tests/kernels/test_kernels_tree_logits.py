@@ -180,11 +180,14 @@ def _kernel(c: Case, method, sampling, rng, cfg=CONFIGS[0], block_v=32):
 
 
 def _same(kernel, ref, label):
-    path, n, y = kernel
+    path, n, y, tokens, last = kernel
     assert torch.equal(n, ref.num_accepted), f"{label}: num_accepted {n} != {ref.num_accepted}"
     assert torch.equal(path, ref.path), f"{label}: path\n{path}\n!= reference\n{ref.path}"
     ref_y = ref.tokens.gather(1, ref.num_accepted[:, None])[:, 0]
     assert torch.equal(y, ref_y), f"{label}: y {y} != reference {ref_y}"
+    # what the kernel assembles as the PyTorch walks' results are assembled
+    assert torch.equal(tokens, ref.tokens), f"{label}: tokens\n{tokens}\n!= reference\n{ref.tokens}"
+    assert torch.equal(last, ref.last_node), f"{label}: last node {last} != reference {ref.last_node}"
 
 
 @pytest.mark.parametrize("method, sampling", WALKS)
@@ -226,7 +229,7 @@ def test_target_only_draws_the_tokens_of_sample_from_logits():
     rng = ss.Philox(torch.tensor([11, -12, 2**40 + 13, 14], device=DEVICE),
                     torch.tensor([0, 5, 2**33, 2], device=DEVICE))
     cfg = CONFIGS[1]
-    path, n, y = _kernel(c, "target_only", "iid", rng, cfg)
+    path, n, y, *_ = _kernel(c, "target_only", "iid", rng, cfg)
     rp = _row_params(c.params, B, N)
     mask = None if c.mask is None else c.mask.view(B, N, V)
     draws = ss.sample_from_logits(c.logits, c.params, rng, vocab_mask=mask).tokens
@@ -282,7 +285,7 @@ def test_rows_the_walk_does_not_need_are_never_loaded(method, sampling, monkeypa
     c = _case(g, method, sampling, B, N, V, "peaked", masked=False)
     c = c._replace(mask=torch.rand(B * N, V, generator=g) < 0.9)
     rng = ss.Philox(torch.randint(0, 2**62, (B,), generator=g), torch.zeros(B, dtype=torch.int64))
-    first = path, n, _ = _kernel(c, method, sampling, rng)
+    first = path, n, *_ = _kernel(c, method, sampling, rng)
     needed = [_needed_rows(c.tree, b, path[b, : int(n[b]) + 1].tolist(), method, sampling) for b in range(B)]
     unneeded = torch.ones(B, N, dtype=torch.bool), torch.ones(B, N, dtype=torch.bool)
     for b, (target, drafts) in enumerate(needed):
@@ -322,7 +325,7 @@ def test_residuals_without_mass_keep_the_distribution(method, sampling):
                 min_p=torch.tensor([0.0, 0.0, 0.5, 0.0] * 2))
     c = Case(logits, params, mask, x, q, tree)
     rng = ss.Philox(torch.arange(B, device=DEVICE) + 3)
-    path, n, y = out = _kernel(c, method, sampling, rng)
+    path, n, y, *_ = out = _kernel(c, method, sampling, rng)
     _same(out, _reference(c, method, sampling, rng), f"{method}/{sampling}")
     assert (n == 0).all() and set(y.tolist()) == {0, 1}
 
@@ -348,7 +351,7 @@ def test_root_only_trees_strided_half_precision_logits_and_empty_batches(method,
     none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     rp = (t[:0] for t in _row_params(c.params, B, N))
     q = None if c.q is None else c.q[:0]
-    path, n, y = ktree.verify_tree_from_logits(c.logits[:0], c.x[:0], c.x[:0], c.x[:0], q, method, sampling, 2, *rp,
+    path, n, y, *_ = ktree.verify_tree_from_logits(c.logits[:0], c.x[:0], c.x[:0], c.x[:0], q, method, sampling, 2, *rp,
                                                seed=none, offset=none)
     assert path.shape == (0, 3) and n.shape == (0,) and y.shape == (0,)
 
@@ -377,7 +380,7 @@ def test_traversal_slots_keep_their_own_scratch_rows(sampling):
     rng = ss.Philox(torch.arange(B, device=DEVICE) + 1000)
     out = _kernel(c, "traversal", sampling, rng)
     _same(out, _reference(c, "traversal", sampling, rng), sampling)
-    assert_traversal_slots_outcome(*out)
+    assert_traversal_slots_outcome(*out[:3])
 
 
 @pytest.mark.parametrize("method", SAMPLED)
@@ -396,7 +399,7 @@ def test_siblings_drawn_without_replacement_see_q_lose_rejected_tokens(method):
     params = SP(top_p=torch.tensor([0.99, 1.0] * (B // 2)))
     c = Case(torch.zeros(B, N, V, device=DEVICE), params, None, x, q, tree)
     rng = ss.Philox(torch.arange(B, device=DEVICE) + 21)
-    path, n, y = out = _kernel(c, method, "without_replacement", rng)
+    path, n, y, *_ = out = _kernel(c, method, "without_replacement", rng)
     _same(out, _reference(c, method, "without_replacement", rng), method)
     u = uniform(rng, "test", B, N, STREAM_ACCEPT, DEVICE)
     expected = torch.where(u[:, 1] < 5 / 12, 1, torch.where(u[:, 2] < 2 / 7, 2, -1))
@@ -421,7 +424,7 @@ def test_real_kernels_on_large_vocabularies(method, sampling):
         generators = torch.Generator(DEVICE).manual_seed(V), torch.Generator(DEVICE).manual_seed(V)
         for ref_rng, kernel_rng in ((philox, philox), generators):
             ref = _reference(c, method, sampling, ref_rng)
-            path, n, y = _kernel(c, method, sampling, kernel_rng, cfg=(64, 256), block_v=1024)
+            path, n, y, *_ = _kernel(c, method, sampling, kernel_rng, cfg=(64, 256), block_v=1024)
             ref_y = ref.tokens.gather(1, ref.num_accepted[:, None])[:, 0]
             same += int(((path == ref.path).all(1) & (n == ref.num_accepted) & (y == ref_y)).sum())
             total += B

@@ -36,8 +36,9 @@ def _(target_probs, draft_tokens, draft_probs, num_drafts, method, seed, offset,
 def verify_tree(target_probs: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
                 draft_probs: Tensor | None, method: str, draft_sampling: str, max_depth: int, seed: Tensor | None,
                 offset: Tensor | None, u_accept: Tensor | None,
-                u_sample: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`specsampler.kernels.tree.verify_tree`: path int64 ``[B, D+1]``, num_accepted and y int64 ``[B]``."""
+                u_sample: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`specsampler.kernels.tree.verify_tree`: path int64 ``[B, D+1]``, num_accepted and y int64 ``[B]``,
+    tokens int64 ``[B, D+1]``, last_node int64 ``[B]``."""
     return _tree.verify_tree(target_probs, draft_tokens, first_child, next_sibling, draft_probs, method,
                              draft_sampling, max_depth, seed, offset, u_accept, u_sample)
 
@@ -47,7 +48,7 @@ def _(target_probs, draft_tokens, first_child, next_sibling, draft_probs, method
       offset, u_accept, u_sample):
     B = target_probs.shape[0]
     new = lambda *shape: target_probs.new_empty(shape, dtype=torch.int64)  # noqa: E731
-    return new(B, max_depth + 1), new(B), new(B)
+    return new(B, max_depth + 1), new(B), new(B), new(B, max_depth + 1), new(B)
 
 
 @torch.library.custom_op("specsampler::mlc_batch_spec_verify", mutates_args=("model_probs", "token_tree_parent_ptr"))
@@ -113,8 +114,10 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, first_c
                             draft_probs: Tensor | None, method: str, draft_sampling: str, max_depth: int,
                             temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                             vocab_mask: Tensor | None, seed: Tensor | None, offset: Tensor | None,
-                            u_accept: Tensor | None, u_sample: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`specsampler.kernels.tree.verify_tree_from_logits`: path ``[B, D+1]``, num_accepted, y ``[B]``."""
+                            u_accept: Tensor | None, u_sample: Tensor | None
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`specsampler.kernels.tree.verify_tree_from_logits`: path ``[B, D+1]``, num_accepted, y ``[B]``,
+    tokens ``[B, D+1]``, last_node ``[B]``."""
     return _tree.verify_tree_from_logits(target_logits, draft_tokens, first_child, next_sibling, draft_probs, method,
                                          draft_sampling, max_depth, temperature, top_k, top_p, min_p, vocab_mask, seed,
                                          offset, u_accept, u_sample)
@@ -125,4 +128,4 @@ def _(target_logits, draft_tokens, first_child, next_sibling, draft_probs, metho
       temperature, top_k, top_p, min_p, vocab_mask, seed, offset, u_accept, u_sample):
     B = target_logits.shape[0]
     new = lambda *shape: target_logits.new_empty(shape, dtype=torch.int64)  # noqa: E731
-    return new(B, max_depth + 1), new(B), new(B)
+    return new(B, max_depth + 1), new(B), new(B), new(B, max_depth + 1), new(B)

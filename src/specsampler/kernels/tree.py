@@ -169,11 +169,21 @@ def _child_with(x_b, ns_b, kid, y):
 
 
 @triton.jit
-def _store_result(path_ptr, n_ptr, y_ptr, b, D, slots, path, n, y):
-    """Request ``b``'s outputs: the path's first ``D + 1`` slots, the accepted count ``n`` and the token ``y``."""
-    tl.store(path_ptr + b * (D + 1) + slots, path, mask=slots <= D)
+def _store_result(path_ptr, n_ptr, y_ptr, tokens_ptr, last_ptr, x_b, b, D, slots, path, n, y):
+    """Request ``b``'s outputs: the path's first ``D + 1`` slots, the accepted count ``n``, the token ``y``, and
+    what :class:`specsampler.TreeResult` gives from them (as ``verify.tree._finish`` assembles it for the PyTorch
+    walks; here, because at a small batch each of its ~10 small ops would be a launch): the emitted tokens (the
+    drafts of the accepted nodes after the root, then ``y``, then -1) and the last accepted node."""
+    out = path_ptr + b * (D + 1)
+    tl.store(out + slots, path, mask=slots <= D)
     tl.store(n_ptr + b, n.to(tl.int64))
     tl.store(y_ptr + b, y)
+    tl.debug_barrier()  # the path is stored before it is read back one slot on, by other threads
+    node = tl.load(out + slots + 1, mask=slots < n, other=0)  # slot i < n <= D: the (i+1)-th accepted node
+    draft = tl.load(x_b + node, mask=slots < n, other=-1)
+    tl.store(tokens_ptr + b * (D + 1) + slots, tl.where(slots < n, draft, tl.where(slots == n, y, -1)),
+             mask=slots <= D)
+    tl.store(last_ptr + b, tl.sum(tl.where(slots == n, path, 0), axis=0).to(tl.int64))
 
 
 @triton.jit
@@ -506,7 +516,7 @@ def _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, n
             do_not_specialize_on_alignment=["draft_tokens_ptr", "first_child_ptr", "next_sibling_ptr", "seed_ptr",
                                             "offset_ptr", "u_accept_ptr", "u_sample_ptr", "temperature_ptr",
                                             "top_k_ptr", "top_p_ptr", "min_p_ptr", "path_ptr", "num_accepted_ptr",
-                                            "y_ptr"])
+                                            "y_ptr", "tokens_ptr", "last_ptr"])
 def _tree_kernel(
     target_ptr,  # float32/bf16/fp16 [B, N, V], last dim contiguous: probabilities, or logits (FROM_LOGITS)
     target_stride_b,
@@ -537,6 +547,8 @@ def _tree_kernel(
     path_ptr,  # out int64 [B, D+1]
     num_accepted_ptr,  # out int64 [B]
     y_ptr,  # out int64 [B]
+    tokens_ptr,  # out int64 [B, D+1]: the emitted tokens
+    last_ptr,  # out int64 [B]: the last accepted node
     N,  # nodes per tree
     V,  # vocabulary size
     D,  # the tree's max_depth
@@ -574,13 +586,13 @@ def _tree_kernel(
     else:
         path, n, y = _traversal_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, scratch_ptr,
                                      slots, N, V, D, FROM_LOGITS, WO, HAS_MASK, BLOCK_V, BLOCK_D, ROWS)
-    _store_result(path_ptr, num_accepted_ptr, y_ptr, b, D, slots, path, n, y)
+    _store_result(path_ptr, num_accepted_ptr, y_ptr, tokens_ptr, last_ptr, x_b, b, D, slots, path, n, y)
 
 
 def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, next_sibling: Tensor,
             draft_probs: Tensor | None, method: str, draft_sampling: str, max_depth: int, seed, offset,
             u_accept: Tensor | None, u_sample: Tensor | None, block_v: int | None,
-            logits: dict | None) -> tuple[Tensor, Tensor, Tensor]:
+            logits: dict | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Both launchers: ``logits`` holds :func:`verify_tree_from_logits`' own arguments (None: probabilities).
     Raises ``ValueError`` (prefixed by ``op``) on an unknown method or draft sampling, or on missing inputs."""
     if method not in METHODS:
@@ -593,15 +605,17 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
     check_randomness(op, method, seed, u_accept, u_sample, stochastic_drafts, " for rrs and traversal")
     B, N, V = target.shape
     D, dev = max_depth, target.device
-    path, num_accepted, y = (torch.empty(shape, dtype=torch.int64, device=dev) for shape in ((B, D + 1), (B,), (B,)))
+    outs = tuple(torch.empty(shape, dtype=torch.int64, device=dev) for shape in ((B, D + 1), (B,), (B,), (B, D + 1),
+                                                                                  (B,)))
+    path, num_accepted, y, tokens, last = outs
     if B == 0:
-        return path, num_accepted, y
+        return outs
     target = last_dim_contiguous(target)
     kernel_args = dict(
         target_ptr=target, target_stride_b=target.stride(0), target_stride_row=target.stride(1),
         draft_tokens_ptr=draft_tokens.long().contiguous(), first_child_ptr=first_child.long().contiguous(),
         next_sibling_ptr=next_sibling.long().contiguous(), **randomness(seed, offset, u_accept, u_sample, B, dev),
-        path_ptr=path, num_accepted_ptr=num_accepted, y_ptr=y, N=N, V=V, D=D,
+        path_ptr=path, num_accepted_ptr=num_accepted, y_ptr=y, tokens_ptr=tokens, last_ptr=last, N=N, V=V, D=D,
         BLOCK_V=block_v or block_size(1024, V), BLOCK_D=depth_slots(D),
         enable_fp_fusion=False,  # a * Mb - q rounded as torch rounds it
     )
@@ -620,7 +634,7 @@ def _launch(op: str, target: Tensor, draft_tokens: Tensor, first_child: Tensor, 
                        scratch_ptr=scratch(method, wo, B, D, V, dev) if stochastic_drafts else None,
                        METHOD=METHODS[method], WO=wo and stochastic_drafts,
                        ALIGNED=aligned_rows(target, draft_probs, mask), **kernel_args)
-    return path, num_accepted, y
+    return outs
 
 
 def depth_slots(D: int) -> int:
@@ -652,7 +666,7 @@ def verify_tree(
     u_sample: Tensor | None = None,
     *,
     block_v: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Verify one draft tree per request (the walks of :func:`specsampler.verify.tree.verify_tree`).
 
     Inputs are taken as validated by the reference's checks (a valid :class:`specsampler.TokenTree`);
@@ -681,6 +695,8 @@ def verify_tree(
         path: int64 ``[B, D+1]``: node ids of the accepted path from the root, ``-1`` after.
         num_accepted: int64 ``[B]``: accepted drafts.
         y: int64 ``[B]``: the correction or bonus token drawn at the last accepted node.
+        tokens: int64 ``[B, D+1]``: the emitted tokens (:attr:`specsampler.TreeResult.tokens`).
+        last_node: int64 ``[B]``: the last accepted node (:attr:`specsampler.TreeResult.last_node`).
     """
     return _launch("specsampler.kernels.tree.verify_tree", target_probs, draft_tokens, first_child, next_sibling,
                    draft_probs, method, draft_sampling, max_depth, seed, offset, u_accept, u_sample, block_v, None)
@@ -709,7 +725,7 @@ def verify_tree_from_logits(
     chunk: int = 64,
     cand: int = 256,
     num_warps: int = 8,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Process the target logits of the rows the walk visits and verify one draft tree per request
     (the walks of :func:`specsampler.verify.tree.verify_tree_from_logits`).
 

@@ -208,8 +208,7 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
         return _chain.verify_chain_from_logits(x, draft_tokens, params, draft_probs=rest[0] if rest else None,
                                                num_drafts=num_drafts, method=method, rng=rng, vocab_mask=mask)
     x = _masked(target_logits, vocab_mask)
-    usable = (drafts >= 0) & (drafts < V) & (torch.arange(K, device=dev) < n_max[:, None])
-    c = _chain.ChainInputs(B, K, V, "greedy" if greedy else method, drafts.clamp(0, V - 1), drafts, usable, n_max, q)
+    c = _chain.ChainInputs(B, K, V, "greedy" if greedy else method, drafts, n_max, q)
     if greedy:
         return _chain.verify_greedy(c, shard_argmax(x, shard)[0])
     u_draw = uniform(rng, op, B, K1, STREAM_SAMPLE, dev)
@@ -271,9 +270,7 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
         return _tree.verify_tree_from_logits(x, draft_tokens, tree, params, draft_probs=rest[0] if rest else None,
                                              method=method, draft_sampling=draft_sampling, rng=rng, vocab_mask=mask)
     x = _masked(target_logits, vocab_mask)
-    usable = (tree.depth > 0) & (drafts >= 0) & (drafts < V)
-    c = _walks.TreeInputs(B, N, V, "greedy" if greedy else method, draft_sampling, tree, drafts.clamp(0, V - 1),
-                          drafts, usable, q)
+    c = _walks.TreeInputs(B, N, V, "greedy" if greedy else method, draft_sampling, tree, drafts, q)
     if greedy:
         path, n, y_out = _walks.walk_draws(c, _Argmaxes(shard_argmax(x, shard)[0]), None, op)
         return _tree._finish(c, path, n, y_out, n.float())

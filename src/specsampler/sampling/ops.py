@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import constants
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
@@ -196,8 +197,9 @@ def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
     seed, offset, (u,) = kernel_randomness(rng, op, B, M, (STREAM_SAMPLE,), device)
     if seed is None:
         return None, None, None, u.reshape(-1)
-    index = torch.arange(M, device=device).repeat(B)
-    return seed.repeat_interleave(M), offset.repeat_interleave(M), index, None
+    if M == 1:  # one row a request: the keys as they are (a copy is a launch)
+        return seed.contiguous(), offset.contiguous(), constants.index_in_request(B, 1, device), None
+    return seed.repeat_interleave(M), offset.repeat_interleave(M), constants.index_in_request(B, M, device), None
 
 
 @torch.no_grad()

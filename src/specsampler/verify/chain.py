@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from .. import constants
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, planned
@@ -71,20 +72,33 @@ class ChainResult:
 
 @dataclass(frozen=True)
 class ChainInputs:
-    """Validated inputs. x: int64 ``[B, K]`` clamped into ``[0, V)``; usable: the drafts that
-    may be accepted (in range and before ``num_drafts``); q: float32 ``[B, K, vocab.width]`` or None;
-    columns: the columns the rows hold (None: the whole vocabulary)."""
+    """Validated inputs. x_raw: the drafts as given (int64 ``[B, K]``); num_drafts: int64 ``[B]``; q: float32
+    ``[B, K, vocab.width]`` or None; columns: the columns the rows hold (None: the whole vocabulary);
+    given_usable: :attr:`usable` where the caller has it. :attr:`x` and :attr:`usable` are made on first use:
+    the kernels take the drafts as given, and at a small batch each of those ops is a launch on a GPU."""
 
     B: int
     K: int
     V: int
     method: str
-    x: Tensor
     x_raw: Tensor
-    usable: Tensor
     num_drafts: Tensor
     q: Tensor | None
     columns: Vocab | None = None
+    given_usable: Tensor | None = field(default=None, repr=False)
+
+    @cached_property
+    def x(self) -> Tensor:
+        """int64 ``[B, K]``: the drafts clamped into ``[0, V)``."""
+        return self.x_raw.clamp(0, self.V - 1)
+
+    @cached_property
+    def usable(self) -> Tensor:
+        """bool ``[B, K]``: the drafts that may be accepted (in range and before ``num_drafts``)."""
+        if self.given_usable is not None:
+            return self.given_usable
+        pos = torch.arange(self.K, device=self.x_raw.device)
+        return (self.x_raw >= 0) & (self.x_raw < self.V) & (pos < self.num_drafts[:, None])
 
     @property
     def vocab(self) -> Vocab:
@@ -98,7 +112,7 @@ class ChainInputs:
 def check_num_drafts(op: str, num_drafts: Tensor | None, B: int, K: int, device: torch.device, full: bool) -> Tensor:
     """``num_drafts`` (integer ``[B]`` in ``[0, K]``, None: all K) checked, as int64 ``[B]``."""
     if num_drafts is None:
-        return torch.full((B,), K, dtype=torch.int64, device=device)
+        return constants.full(B, K, torch.int64, device)
     check_tensor(op, "num_drafts", num_drafts, kind="int", ndim=1)
     check_shape(op, "num_drafts", num_drafts, (B,), "[B]")
     check_device(op, "num_drafts", num_drafts, device)
@@ -119,15 +133,13 @@ def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts,
     check_device(op, "draft_tokens", draft_tokens, dev)
     method, q = check_method(op, method, METHODS, ("token", "block"), draft_probs, (B, K, V), "[B, K, V]", dev)
     n = check_num_drafts(op, num_drafts, B, K, dev, full)
-    pos = torch.arange(K, device=dev)
     x_raw = draft_tokens.long()
-    in_range = (x_raw >= 0) & (x_raw < V)
     if full:
-        check_token_values(op, "draft_tokens", torch.where(pos < n[:, None], x_raw, 0), V)
+        check_token_values(op, "draft_tokens", torch.where(torch.arange(K, device=dev) < n[:, None], x_raw, 0), V)
         (check_logits_values if logits else check_probs_values)(op, target_name, target)
         if q is not None:
             check_probs_values(op, "draft_probs", q)
-    return ChainInputs(B, K, V, method, x_raw.clamp(0, V - 1), x_raw, in_range & (pos < n[:, None]), n, q)
+    return ChainInputs(B, K, V, method, x_raw, n, q)
 
 
 def _leading_run(ok: Tensor) -> Tensor:
@@ -259,7 +271,7 @@ def _verify_kernel(c: ChainInputs, target_probs: Tensor, rng, op: str) -> ChainR
     from ..kernels import ops
 
     streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
-    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x_raw.device)
     u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
     tokens, n = ops.verify_chain(target_probs, c.x_raw, c.q, c.num_drafts, c.method, seed, offset, u_accept, u_sample)
 
@@ -277,7 +289,7 @@ def _verify_from_logits_kernel(c: ChainInputs, logits: Tensor, params, vocab_mas
 
     rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full)
     streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
-    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x.device)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x_raw.device)
     u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
     tokens, n = ops.verify_chain_from_logits(logits, c.x_raw, c.q, c.num_drafts, c.method, rp.temperature, rp.top_k,
                                              rp.top_p, rp.min_p, mask, seed, offset, u_accept, u_sample)
@@ -418,7 +430,7 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     (:func:`_verify_one_token`). The same tokens as the public op.
     """
     B, K1, V = logits.shape
-    c = ChainInputs(B, K1 - 1, V, method, drafts, drafts, usable, num_drafts, draft_probs)
+    c = ChainInputs(B, K1 - 1, V, method, drafts, num_drafts, draft_probs, given_usable=usable)
     op = "speculative_generate"
     if use_triton(logits.device):
         return _verify_from_logits_kernel(c, logits, params, None, False, rng, op)

@@ -88,8 +88,8 @@ def _check_tree(op, target, target_name, draft_tokens, tree, draft_probs, method
     if draft_sampling not in DRAFT_SAMPLING:
         fail(op, "draft_sampling", f"one of {DRAFT_SAMPLING}", repr(draft_sampling))
     x_raw = draft_tokens.long()
-    child = tree.depth > 0
     if full:  # rows of absent nodes (and the root's draft row) are padding: not checked
+        child = tree.depth > 0
         check_token_values(op, "draft_tokens", torch.where(child, x_raw, 0), V)
         present = (tree.depth >= 0)[..., None]
         if logits:
@@ -98,17 +98,28 @@ def _check_tree(op, target, target_name, draft_tokens, tree, draft_probs, method
             check_probs_values(op, target_name, torch.where(present, target.float(), 1.0))
         if q is not None:
             check_probs_values(op, "draft_probs", torch.where(child[..., None], q, 1.0))
-    usable = child & (x_raw >= 0) & (x_raw < V)
-    return TreeInputs(B, N, V, method, draft_sampling, tree, x_raw.clamp(0, V - 1), x_raw, usable, q)
+    return TreeInputs(B, N, V, method, draft_sampling, tree, x_raw, q)
 
 
-def _finish(c: TreeInputs, path: Tensor, n: Tensor, y: Tensor, expected: Tensor | None) -> TreeResult:
-    """Assemble the result from the accepted path ``[B, D+1]`` (-1 padded), its length and y."""
+def _assemble(c: TreeInputs, path: Tensor, n: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A PyTorch walk's accepted path ``[B, D+1]`` (-1 padded), its length and y, followed by what the kernels
+    also give: the emitted tokens ``[B, D+1]`` and the last accepted node ``[B]``."""
     pos = torch.arange(path.shape[1], device=path.device)
     drafts = torch.nn.functional.pad(c.x_raw.gather(1, path[:, 1:].clamp(min=0)), (0, 1), value=-1)
     tokens = torch.where(pos < n[:, None], drafts, torch.where(pos == n[:, None], y[:, None], -1))
     last = path.gather(1, n[:, None])[:, 0]
+    return path, n, y, tokens, last
+
+
+def _result(walked: tuple[Tensor, ...], expected: Tensor | None) -> TreeResult:
+    """The result from :func:`_assemble`'s (or a kernel's) five outputs."""
+    path, n, _, tokens, last = walked
     return TreeResult(path, tokens, n, last, None if expected is None else expected.float())
+
+
+def _finish(c: TreeInputs, path: Tensor, n: Tensor, y: Tensor, expected: Tensor | None) -> TreeResult:
+    """The result of a PyTorch walk's path, its length and y."""
+    return _result(_assemble(c, path, n, y), expected)
 
 
 _STREAMS = {"greedy": (), "target_only": (STREAM_SAMPLE,), "rrs": (STREAM_ACCEPT, STREAM_SAMPLE),
@@ -116,13 +127,13 @@ _STREAMS = {"greedy": (), "target_only": (STREAM_SAMPLE,), "rrs": (STREAM_ACCEPT
 
 
 def _walk_kernel(c: TreeInputs, target: Tensor, rng, op: str, rp: RowParams | None = None,
-                 mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The walk of ``c.method`` by its Triton kernel (the same draws as the PyTorch walks), on
-    target probabilities, or on logits when the rows' parameters ``rp`` are given."""
+    target probabilities, or on logits when the rows' parameters ``rp`` are given: :func:`_assemble`'s outputs."""
     from ..kernels import ops
 
     streams = _STREAMS[c.method]
-    seed, offset, u = kernel_randomness(rng, op, c.B, c.N, streams, c.x.device)
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.N, streams, c.x_raw.device)
     u_accept = u[0] if STREAM_ACCEPT in streams else None
     u_sample = u[-1] if STREAM_SAMPLE in streams else None
     t = c.tree
@@ -181,16 +192,16 @@ def verify_tree(
     c = _check_tree(op, target_probs, "target_probs", draft_tokens, tree, draft_probs, method, draft_sampling,
                     full, False)
     if use_triton(target_probs.device):
-        path, n, y = _walk_kernel(c, target_probs, rng, op)
+        walked = _walk_kernel(c, target_probs, rng, op)
     else:
-        path, n, y = WALKS[c.method](c, TargetRows(probs=target_probs), rng, op)
+        walked = _assemble(c, *WALKS[c.method](c, TargetRows(probs=target_probs), rng, op))
     expected = None
     if c.method == "greedy":
-        expected = n.float()
+        expected = walked[1].float()
     elif c.method == "target_only":
         parents = tree.parents.clamp(min=0)
         expected = expected_target_only(c, target_probs[torch.arange(c.B)[:, None], parents, c.x].float())
-    return _finish(c, path, n, y, expected)
+    return _result(walked, expected)
 
 
 @torch.no_grad()
@@ -239,13 +250,13 @@ def verify_tree_from_logits(
     check_rng(op, rng)
     c = _check_tree(op, target_logits, "target_logits", draft_tokens, tree, draft_probs, method, draft_sampling,
                     full, True)
-    rp, mask, _, _ = logit_inputs(op, target_logits, params, vocab_mask, full, live=tree.depth >= 0)
+    rp, mask, _, _ = logit_inputs(op, target_logits, params, vocab_mask, full, live=tree.depth >= 0 if full else None)
     rows = TargetRows(logits=target_logits, rp=rp, mask=mask)
     if use_triton(target_logits.device):
-        path, n, y = _walk_kernel(c, target_logits, rng, op, rp, mask)
+        walked = _walk_kernel(c, target_logits, rng, op, rp, mask)
     else:
-        path, n, y = WALKS[c.method](c, rows, rng, op)
-    expected = n.float() if c.method == "greedy" else None
+        walked = _assemble(c, *WALKS[c.method](c, rows, rng, op))
+    expected = walked[1].float() if c.method == "greedy" else None
     if expected_accepted and c.method == "target_only":
         pb, pv = (tree.first_child >= 0).nonzero(as_tuple=True)  # each node with children, processed once
         slot = torch.full((c.B, c.N), -1, dtype=torch.int64, device=c.x.device)
@@ -254,7 +265,7 @@ def verify_tree_from_logits(
         p_edge = torch.zeros(c.B, c.N, device=c.x.device)
         p_edge[b, node] = rows.at(pb, pv).select(slot[b, tree.parents[b, node]]).prob(c.x[b, node])
         expected = expected_target_only(c, p_edge)
-    return _finish(c, path, n, y, expected)
+    return _result(walked, expected)
 
 
 # ------------------------------------------------------------------- inputs a caller built (speculative_generate)
@@ -294,19 +305,19 @@ def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Ten
     rrs or traversal walk is its plain loop (:func:`_walk_one`). The same tokens as the public op.
     """
     B, N, V = logits.shape
-    c = TreeInputs(B, N, V, method, draft_sampling, tree, drafts, drafts, usable, draft_probs)
+    c = TreeInputs(B, N, V, method, draft_sampling, tree, drafts, draft_probs, given_usable=usable)
     cpu = logits.device.type == "cpu"
     if use_triton(logits.device):
-        path, n, y = _walk_kernel(c, logits, rng, "speculative_generate", rp, None)
+        walked = _walk_kernel(c, logits, rng, "speculative_generate", rp, None)
     else:
         proc = None if method == "greedy" else _process_prepared(logits.view(-1, V), rp, small)
         if cpu and method in ("greedy", "target_only"):
-            path, n, y = _walk_draws_host(c, logits, proc, draw)
+            walked = _assemble(c, *_walk_draws_host(c, logits, proc, draw))
         elif cpu and B == 1:
-            path, n, y = _walk_one(c, proc.dense(), draw)
+            walked = _assemble(c, *_walk_one(c, proc.dense(), draw))
         else:
-            path, n, y = WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw)
-    return _finish(c, path, n, y, n.float() if method == "greedy" else None)
+            walked = _assemble(c, *WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw))
+    return _result(walked, walked[1].float() if method == "greedy" else None)
 
 
 def _kids(tree, b: int) -> list[list[int]]:

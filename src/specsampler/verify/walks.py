@@ -10,7 +10,8 @@ kernel: :mod:`specsampler.kernels.tree`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -26,9 +27,9 @@ from .token_tree import TokenTree
 
 @dataclass(frozen=True)
 class TreeInputs:
-    """Validated inputs. x: int64 ``[B, N]`` clamped into ``[0, V)``; usable: non-root present
-    nodes whose token is in range (the others are never accepted); q: float32 ``[B, N, vocab.width]``;
-    vocab: the columns the rows hold (None: the whole vocabulary)."""
+    """Validated inputs. x_raw: the drafts as given (int64 ``[B, N]``); q: float32 ``[B, N, vocab.width]``;
+    columns: the columns the rows hold (None: the whole vocabulary); given_usable: :attr:`usable` where the
+    caller has it. :attr:`x` and :attr:`usable` are made on first use (the kernels take the drafts as given)."""
 
     B: int
     N: int
@@ -36,11 +37,22 @@ class TreeInputs:
     method: str
     sampling: str
     tree: TokenTree
-    x: Tensor
     x_raw: Tensor
-    usable: Tensor
     q: Tensor | None
     columns: Vocab | None = None
+    given_usable: Tensor | None = field(default=None, repr=False)
+
+    @cached_property
+    def x(self) -> Tensor:
+        """int64 ``[B, N]``: the drafts clamped into ``[0, V)``."""
+        return self.x_raw.clamp(0, self.V - 1)
+
+    @cached_property
+    def usable(self) -> Tensor:
+        """bool ``[B, N]``: non-root present nodes whose token is in range (the others are never accepted)."""
+        if self.given_usable is not None:
+            return self.given_usable
+        return (self.tree.depth > 0) & (self.x_raw >= 0) & (self.x_raw < self.V)
 
     @property
     def vocab(self) -> Vocab:
