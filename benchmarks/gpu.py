@@ -50,7 +50,6 @@ TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 BASELINES = True  # --no-baselines: time our kernels only
 FI_TOPK = True  # --no-flashinfer-topk: leave out the FlashInfer baselines that need its top-k module (not built)
 CHAIN_VOCABS: list[int] | None = None  # --chain-vocab: the chain shapes of these vocabulary sizes only
-GENERATORS: list[torch.Generator] = []  # the baselines' device generator, registered with each captured graph
 PROFILE = False  # --profile: list the kernels one call of each op launches, with their device times
 OUT: str | None = None  # --out: rewritten after every record, so a run cut off keeps what it measured
 RECORDS: list[dict] = []
@@ -70,9 +69,10 @@ if triton_available():
 def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
     """Median seconds per call of ``fn``, from CUDA-graph replays (or eager events, or the CPU clock).
 
-    The baselines draw from ``GENERATORS`` (a device generator of their own): registered with the graph, as
-    capture requires of a generator other than the default one (unregistered, torch refused the capture and
-    the baselines were timed eagerly, their launches counted)."""
+    The PyTorch baselines draw from a generator of their own, which torch does not capture unless it is
+    registered with the graph; registered, a capture that then failed (the materialising chain verifier's, on an
+    H100) left it unusable even eagerly. So they are timed eagerly (``baseline_timing`` says so): their launches
+    count, a few microseconds against their milliseconds."""
     if device.type != "cuda":
         import time
 
@@ -93,8 +93,6 @@ def timed(fn, device: torch.device, reps: int, inner: int) -> tuple[float, str]:
     mode = "graph"
     try:
         graph = torch.cuda.CUDAGraph()
-        for gen in GENERATORS:
-            graph.register_generator_state(gen)
         with torch.cuda.graph(graph):
             for _ in range(inner):
                 fn()
@@ -401,8 +399,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     gd = torch.Generator(device=device).manual_seed(1)
-    if device.type == "cuda":
-        GENERATORS.append(gd)
     rate = copy_rate(device, args.reps)
     print(f"{bench.device_name(device)}; copy rate {rate / 1e12:.2f} TB/s (read + write); "
           f"flashinfer {getattr(flashinfer, '__version__', 'not installed')}; "
