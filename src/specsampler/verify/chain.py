@@ -38,6 +38,7 @@ from ..validation import (
     fail,
     values_checkable,
 )
+from .drafts import Drafts
 
 METHODS = ("token", "block", "target_only", "greedy")
 
@@ -71,11 +72,11 @@ class ChainResult:
 
 
 @dataclass(frozen=True)
-class ChainInputs:
+class ChainInputs(Drafts):
     """Validated inputs. x_raw: the drafts as given (int64 ``[B, K]``); num_drafts: int64 ``[B]``; q: float32
     ``[B, K, vocab.width]`` or None; columns: the columns the rows hold (None: the whole vocabulary);
-    given_usable: :attr:`usable` where the caller has it. :attr:`x` and :attr:`usable` are made on first use:
-    the kernels take the drafts as given, and at a small batch each of those ops is a launch on a GPU."""
+    given_usable: :attr:`usable` where the caller has it. ``x`` and ``usable`` are made on first use
+    (:class:`~specsampler.verify.drafts.Drafts`)."""
 
     B: int
     K: int
@@ -87,22 +88,10 @@ class ChainInputs:
     columns: Vocab | None = None
     given_usable: Tensor | None = field(default=None, repr=False)
 
-    @cached_property
-    def x(self) -> Tensor:
-        """int64 ``[B, K]``: the drafts clamped into ``[0, V)``."""
-        return self.x_raw.clamp(0, self.V - 1)
-
-    @cached_property
-    def usable(self) -> Tensor:
-        """bool ``[B, K]``: the drafts that may be accepted (in range and before ``num_drafts``)."""
-        if self.given_usable is not None:
-            return self.given_usable
+    def _usable(self) -> Tensor:
+        """In range and before ``num_drafts``."""
         pos = torch.arange(self.K, device=self.x_raw.device)
         return (self.x_raw >= 0) & (self.x_raw < self.V) & (pos < self.num_drafts[:, None])
-
-    @property
-    def vocab(self) -> Vocab:
-        return self.columns or Vocab(self.V)
 
     def q_x(self) -> Tensor:
         """float32 ``[B, K]``: each draft's draft probability."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -22,14 +21,15 @@ from ..sampling.greedy import greedy_ids
 from ..sampling.masses import as_weight, divide_by
 from ..sampling.processing import SCRATCH, Processed, process
 from ..sampling.vocab import Vocab
+from .drafts import Drafts
 from .token_tree import TokenTree
 
 
 @dataclass(frozen=True)
-class TreeInputs:
+class TreeInputs(Drafts):
     """Validated inputs. x_raw: the drafts as given (int64 ``[B, N]``); q: float32 ``[B, N, vocab.width]``;
     columns: the columns the rows hold (None: the whole vocabulary); given_usable: :attr:`usable` where the
-    caller has it. :attr:`x` and :attr:`usable` are made on first use (the kernels take the drafts as given)."""
+    caller has it. ``x`` and ``usable`` are made on first use (:class:`~specsampler.verify.drafts.Drafts`)."""
 
     B: int
     N: int
@@ -42,21 +42,9 @@ class TreeInputs:
     columns: Vocab | None = None
     given_usable: Tensor | None = field(default=None, repr=False)
 
-    @cached_property
-    def x(self) -> Tensor:
-        """int64 ``[B, N]``: the drafts clamped into ``[0, V)``."""
-        return self.x_raw.clamp(0, self.V - 1)
-
-    @cached_property
-    def usable(self) -> Tensor:
-        """bool ``[B, N]``: non-root present nodes whose token is in range (the others are never accepted)."""
-        if self.given_usable is not None:
-            return self.given_usable
+    def _usable(self) -> Tensor:
+        """Non-root present nodes whose token is in range (the others are never accepted)."""
         return (self.tree.depth > 0) & (self.x_raw >= 0) & (self.x_raw < self.V)
-
-    @property
-    def vocab(self) -> Vocab:
-        return self.columns or Vocab(self.V)
 
 
 class TargetRows:
