@@ -171,7 +171,7 @@ def _child_with(x_b, ns_b, kid, y):
 @triton.jit
 def _store_result(path_ptr, n_ptr, y_ptr, tokens_ptr, last_ptr, x_b, b, D, slots, path, n, y):
     """Request ``b``'s outputs: the path's first ``D + 1`` slots, the accepted count ``n``, the token ``y``, and
-    what :class:`specsampler.TreeResult` gives from them (as ``verify.tree._finish`` assembles it for the PyTorch
+    what :class:`specsampler.TreeResult` gives from them (as ``verify.tree._assemble`` does for the PyTorch
     walks; here, because at a small batch each of its ~10 small ops would be a launch): the emitted tokens (the
     drafts of the accepted nodes after the root, then ``y``, then -1) and the last accepted node."""
     out = path_ptr + b * (D + 1)
