@@ -7,7 +7,8 @@ On a GPU an op at a small batch is bound by its launches, and each ``torch.full`
 and are only read, so they are kept and shared by every call. They are never evicted: a CUDA graph that captured
 one reads its memory at every replay and does not keep it alive; past ``LIMIT`` tensors, new ones are made per
 call instead. None is made for keeping while a CUDA graph is being captured (the graph's pool would own it and
-fill it only at replay) or while torch.compile traces (which traces the plain ops).
+fill it only at replay) or while torch.compile traces (which traces the plain ops); one made for keeping is waited
+for once, so that a call on another stream never reads it before it is filled.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _kept(key: tuple, make) -> Tensor:
         return make()
     with torch.inference_mode(False):  # a tensor usable outside inference mode too
         t = make()
+    if device.type == "cuda":  # filled before any stream reads it (once per kept tensor)
+        torch.cuda.current_stream(device).synchronize()
     _KEPT[key] = t
     return t
 
