@@ -12,24 +12,29 @@ from torch import Tensor
 from . import constants
 from .validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
 
+
+def _within(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False):
+    """The test of a value against ``[lo, hi]`` (ends open as asked): on a float, or elementwise on a tensor (NaN is
+    outside either way)."""
+    return lambda v: ((v > lo) if lo_open else (v >= lo)) & ((v < hi) if hi_open else (v <= hi))
+
+
+# each float field's range, tested on a tensor's values and on a scalar as the float32 it becomes
+_WITHIN = {"temperature": _within(0, math.inf, hi_open=True), "top_p": _within(0, 1, lo_open=True),
+           "min_p": _within(0, 1)}
+
 # name -> (dtype kind, dtype, rule for bad values, what is expected)
 _FIELDS = {
-    "temperature": ("float", torch.float32, lambda v: ~torch.isfinite(v) | (v < 0), "a finite value >= 0"),
+    "temperature": ("float", torch.float32, lambda v: ~_WITHIN["temperature"](v), "a finite value >= 0"),
     "top_k": ("int", torch.int64, None, "an integer"),
-    "top_p": ("float", torch.float32, lambda v: ~((v > 0) & (v <= 1)), "a value in (0, 1]"),
-    "min_p": ("float", torch.float32, lambda v: ~((v >= 0) & (v <= 1)), "a value in [0, 1]"),
-}
-
-# the same rules on a scalar, as the float32 it becomes (a tensor per check cost ~40 us a SamplingParams)
-_SCALAR_OK = {
-    "temperature": lambda v: math.isfinite(v) and v >= 0,
-    "top_p": lambda v: 0 < v <= 1,
-    "min_p": lambda v: 0 <= v <= 1,
+    "top_p": ("float", torch.float32, lambda v: ~_WITHIN["top_p"](v), "a value in (0, 1]"),
+    "min_p": ("float", torch.float32, lambda v: ~_WITHIN["min_p"](v), "a value in [0, 1]"),
 }
 
 
 def _float32(v: float) -> float:
-    """``v`` rounded to float32 (inf past its range), as ``torch.tensor(float(v))`` holds it."""
+    """``v`` rounded to float32 (inf past its range), as ``torch.tensor(float(v))`` holds it (a tensor per check
+    cost ~40 us a SamplingParams)."""
     with np.errstate(over="ignore"):
         return float(np.float32(v))
 
@@ -69,7 +74,7 @@ class SamplingParams:
                 fail("SamplingParams", full_name, "a number or a 1-D tensor [B]", repr(v))
             if kind == "int" and not float(v).is_integer():
                 fail("SamplingParams", full_name, "an integer", repr(v))
-            if kind == "float" and (not math.isfinite(v) or not _SCALAR_OK[name](_float32(v))):
+            if kind == "float" and (not math.isfinite(v) or not _WITHIN[name](_float32(v))):
                 fail("SamplingParams", full_name, want, v)
 
     def rows(self, op: str, batch: int, per_request: int, device: torch.device, full: bool) -> RowParams:

@@ -106,13 +106,11 @@ def _run(p, x, tree, q, method, sampling, block_v=None, **randomness):
 def _assert_same(kernel, ref, what):
     """The kernel's outputs are the reference's: path, count, y, and the emitted tokens and last node it also
     assembles (as the PyTorch walks' results are assembled)."""
-    path, n, y, *assembled = kernel
+    path, n, y, tokens, last = kernel
     assert torch.equal(path, ref.path), what
     assert torch.equal(n, ref.num_accepted), what
     assert torch.equal(y, ref.tokens.gather(1, ref.num_accepted[:, None])[:, 0]), what
-    if assembled:
-        tokens, last = assembled
-        assert torch.equal(tokens, ref.tokens) and torch.equal(last, ref.last_node), what
+    assert torch.equal(tokens, ref.tokens) and torch.equal(last, ref.last_node), what
 
 
 @pytest.mark.parametrize("method, sampling", WALKS)

@@ -197,9 +197,10 @@ def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
     seed, offset, (u,) = kernel_randomness(rng, op, B, M, (STREAM_SAMPLE,), device)
     if seed is None:
         return None, None, None, u.reshape(-1)
+    index = constants.index_in_request(B, M, device)
     if M == 1:  # one row a request: the keys as they are (a copy is a launch)
-        return seed.contiguous(), offset.contiguous(), constants.index_in_request(B, 1, device), None
-    return seed.repeat_interleave(M), offset.repeat_interleave(M), constants.index_in_request(B, M, device), None
+        return seed.contiguous(), offset.contiguous(), index, None
+    return seed.repeat_interleave(M), offset.repeat_interleave(M), index, None
 
 
 @torch.no_grad()
