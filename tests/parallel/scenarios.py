@@ -372,6 +372,34 @@ def rounds(shard, g):
     return out
 
 
+def settled(shard, g):
+    """Trees whose drafts come from the target's own distributions (each child's q its parent's processed row), so
+    that every first child is accepted: rrs and traversal on wide trees, their collectives and whether they equal
+    the one-device op."""
+    B = 5
+    out = []
+    for shape in ([-1] + [0] * 8, [-1, 0, 0, 0, 0, 1, 1, 1, 1]):  # eight children of the root; four of two nodes
+        tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
+        N = len(shape)
+        x = torch.randn(B, N, V, generator=g) * 2
+        for kind in ("top-k", "temperature", "top-p"):
+            params = ss.SamplingParams(**KINDS[kind])
+            p = ss.logits_to_probs(x, params)
+            q = p[:, torch.tensor(shape).clamp(min=0)]  # node i drafted from its parent's row
+            drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+            rng = _philox(g, B)
+            for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
+                                     ("traversal", "without_replacement")):
+                res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
+                                      draft_probs=_cut(q, shard), method=method, draft_sampling=sampling, rng=rng,
+                                      shard=shard)
+                ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=q, method=method,
+                                                 draft_sampling=sampling, rng=rng)
+                same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
+                out.append([f"{method}/{sampling} {shape}", kind, same, len(calls), res.num_accepted.tolist()])
+    return out
+
+
 WIDE_V = 32_000 if os.environ.get("SPECSAMPLER_FULL_MC") == "1" else 3001  # the suite's full-size switch
 
 
@@ -516,5 +544,5 @@ def strategies(shard, g):
 
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
              "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
-             "rounds": rounds, "wide": wide, "wide auto": wide_auto, "fallbacks": fallbacks,
+             "rounds": rounds, "settled": settled, "wide": wide, "wide auto": wide_auto, "fallbacks": fallbacks,
              "strategies": strategies}

@@ -189,13 +189,26 @@ def test_the_shard_path_stays_within_its_rounds_at_every_world_size(ranks):
                 assert n <= 2 * info["depth"] + 3, (op, kind, n)
 
 
+def test_a_tree_walk_ends_its_rounds_once_every_request_is_settled(ranks):
+    """Where every first child is accepted (drafts from the target's own rows), rrs and traversal need no residual:
+    the processing and the draw only (a root of eight children would otherwise take eight residual rounds), and the
+    one-device op's tokens."""
+    for name, kind, same, n, accepted in _same_on_every_rank(ranks, "settled"):
+        assert same, (name, kind)
+        assert all(a >= 1 for a in accepted), (name, kind, accepted)
+        assert n <= _processing_rounds(kind) + 1, (name, kind, n)
+
+
 def test_the_cost_model_plans_the_rounds_and_bytes_the_shard_path_sends(ranks):
     """The bytes each round sends, as cost.*_plan predict them: exactly, except where the shard path took fewer
-    rounds than planned (a top-p row's nucleus settled in one description, a chain with no rejection): then every
-    round it took matches a planned one, in order."""
+    rounds than planned (a top-p row's nucleus settled in one description, a chain with no rejection, a tree walk
+    settled before its last residual round): then every round it took matches a planned one, in order; the plan
+    is the most a call takes (trees: every residual round)."""
     for op, kind, top_p, info, calls, plan, _ in ranks[0]["rounds"]:
         sent = [b for _, b in calls]
-        if not top_p and info.get("rejected", True):
+        if op.startswith(("tree rrs", "tree traversal")) and not top_p:
+            assert sent == plan[:len(sent) - 1] + plan[-1:], (op, kind)  # the residual rounds a prefix, the draw
+        elif not top_p and info.get("rejected", True):
             assert sent == plan, (op, kind)
         else:
             it = iter(plan)

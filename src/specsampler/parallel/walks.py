@@ -176,6 +176,8 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
     test_r[b, kids[:, 0]] = target.read
     test_q = q_at.clone()
     for k in range(kids.shape[1]):
+        if _rrs_settled(c, nodes, c.usable & (u_accept * test_q < test_r), k):
+            break  # no request's walk reads a later residual: the rounds end here, on every rank alike
         act = (kids[:, k] >= 0).nonzero()[:, 0]
         if not act.numel():  # no node has children
             break
@@ -200,6 +202,31 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
     path, n, stop = _walk_down(c, ok)
     y = yield from _draw_at(stop, nodes, target, r, lo, hi, u_draw, shard)
     return path, n, y
+
+
+def _rrs_settled(c, nodes: _Nodes, ok: Tensor, k: int) -> bool:
+    """Whether every request's rrs walk is known before the residual round ``k`` (0-based), from ``ok`` (bool ``[B,
+    N]``, each child's test, read only for children of sibling rank <= k, the ones tested so far): down from the root,
+    each node's first accepted child is among its tested ones, until a leaf or a node whose children were all tested
+    and rejected and whose last residual is computed (at most ``k`` children). Every rank holds the same tests, so
+    every rank decides alike."""
+    B, kids = c.B, nodes.kids
+    width = kids.shape[1]
+    batch, rank = torch.arange(B, device=ok.device), torch.arange(width, device=ok.device)
+    at = torch.zeros(B, dtype=torch.int64, device=ok.device)
+    going = torch.ones(B, dtype=torch.bool, device=ok.device)
+    settled = torch.ones_like(going)
+    for _ in range(c.tree.max_depth + 1):
+        slot = nodes.slot[batch, at]
+        inner = going & (slot >= 0)
+        row = kids[slot.clamp(min=0)]
+        tested = (row >= 0) & (rank <= k)
+        first = torch.where(tested & ok[batch[:, None], row.clamp(min=0)], rank, width).amin(-1)
+        found = first < width
+        settled &= ~inner | found | ((row >= 0).sum(-1) <= k)
+        going = inner & found
+        at = torch.where(going, row.gather(1, first.clamp(max=width - 1)[:, None])[:, 0], at)
+    return bool(settled.all())
 
 
 def _draw_at(node: Tensor, nodes: _Nodes, target, residual: Tensor, lo: Tensor, hi: Tensor, u_draw: Tensor,
@@ -290,7 +317,13 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
     first = t.first_child[:, 0]
     descend(torch.arange(B, device=dev)[first >= 0], first[first >= 0])
     m = (kids >= 0).sum(1)
+    post = _post_order(t)
+    children = torch.zeros_like(done)
+    children[b, v] = m
     while True:
+        # a node's test is final once every child of it is deleted (a leaf's once pushed)
+        if _traversal_settled(t, post, done == children, (t.depth == 0) | ((t.depth > 0) & (u_accept < a))):
+            break  # no request's walk reads a later state: the rounds end here, on every rank alike
         j = done[b, v]
         act = ((j >= 0) & (j < m)).nonzero()[:, 0]
         if not act.numel():
@@ -321,7 +354,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
         descend(ba[more], nxt[more])
     # the first node in post-order whose test passes (the root always does)
     passed = (t.depth == 0) | ((t.depth > 0) & (u_accept < a))
-    leaf = torch.where(passed, _post_order(t), N * N).argmin(-1)
+    leaf = torch.where(passed, post, N * N).argmin(-1)
     y = yield from _draw_at(leaf, nodes, target, mb, lo, hi, u_draw, shard)
     batch = torch.arange(B, device=dev)
     n = t.depth[batch, leaf]
@@ -332,6 +365,15 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
         path[at >= 0, at.clamp(min=0)[at >= 0]] = node[at >= 0]
         node = t.parents[batch, node.clamp(min=0)]
     return path, n, y
+
+
+def _traversal_settled(t, post: Tensor, final: Tensor, passed: Tensor) -> bool:
+    """Whether every request's traversal is known: the first node in post-order (``post``) whose test is ``final``
+    and ``passed`` (bool ``[B, N]``) has no present node before it whose test is not yet final. Every rank holds the
+    same states, so every rank decides alike."""
+    N = post.shape[1]
+    first = torch.where(final & passed, post, N * N).amin(-1, keepdim=True)
+    return not bool(((t.depth >= 0) & ~final & (post < first)).any())
 
 
 def _post_order(t) -> Tensor:
