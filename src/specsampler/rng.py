@@ -117,16 +117,27 @@ def philox4x32(counter: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple[Tensor
 
 
 def philox4x32_numpy(counter: tuple, key: tuple, rounds: int = 10):
-    """:func:`philox4x32` on numpy uint64 arrays of 32-bit words (exact products, few ops: the CPU path)."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    a, b, mask = np.uint64(_ROUND_A), np.uint64(_ROUND_B), np.uint64(_MASK32)
-    s32 = np.uint64(32)
-    for _ in range(rounds):
-        p0, p1 = a * c0, b * c2
-        c0, c1, c2, c3 = (p1 >> s32) ^ c1 ^ k0, p1 & mask, (p0 >> s32) ^ c3 ^ k1, p0 & mask
-        k0, k1 = (k0 + np.uint64(_KEY_A)) & mask, (k1 + np.uint64(_KEY_B)) & mask
-    return c0, c1, c2, c3
+    """:func:`philox4x32` on numpy uint64 arrays of 32-bit words (broadcastable shapes; exact products: the CPU
+    path). At a batch's sizes numpy's cost is per operation, not per number, so the words are stacked in pairs
+    that share every operation of a round: ``(c0, c2)`` multiplied by ``(A, B)`` at once, then each product's
+    high word xored with ``(c1, c3)`` and the round keys (all rounds' keys made at once, at full shape)."""
+    shape = np.broadcast_shapes(*(np.shape(w) for w in (*counter, *key)))
+    ones = (2,) + (1,) * len(shape)
+    mask, s32 = np.uint64(_MASK32), np.uint64(32)
+    x = np.empty((2, *shape), np.uint64)  # (c0, c2)
+    y = np.empty_like(x)  # (c1, c3)
+    x[0], y[0], x[1], y[1] = counter
+    keys = np.empty((rounds, 2, *shape), np.uint64)
+    keys[:, 0], keys[:, 1] = key
+    keys += np.arange(rounds, dtype=np.uint64).reshape(rounds, 1, *ones[1:]) * np.array(
+        [_KEY_A, _KEY_B], np.uint64).reshape(ones)
+    keys &= mask
+    factors = np.array([_ROUND_B, _ROUND_A], np.uint64).reshape(ones)
+    for r in range(rounds):
+        p = x[::-1] * factors  # (c2 B, c0 A): the products the new (c0, c2) take their high words from
+        x = (p >> s32) ^ y ^ keys[r]
+        y = p & mask
+    return x[0], y[0], x[1], y[1]
 
 
 def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Tensor) -> Tensor:
