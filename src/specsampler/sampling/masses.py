@@ -130,7 +130,7 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
     if C == 0 or R == 0:
         return torch.zeros(R, dtype=torch.int64, device=weights.device)
     if C >= 4 * _CHUNK:
-        return _draw_certified(weights, u)
+        return _draw_certified(weights, u)[0]
     return _invert_few(weights, u)
 
 
@@ -171,7 +171,7 @@ def _exact_sum_bounds(s: Tensor, g: float, widen: float) -> tuple[Tensor, Tensor
     return torch.ceil(s / (1 + g) * (1 - widen)), torch.floor(s / (1 - g) * (1 + widen))
 
 
-def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def chunk_mass_bounds(w: Tensor, scratch: str | None = None, unit: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Bounds on the masses of the chunks of 256 columns of each row, from float32 sums of masses.
 
     w: float32 ``[R, C]``. Returns float64 ``lo``, ``hi`` ``[R, ceil(C / 256)]`` (integers, ``lo <= mass <=
@@ -179,9 +179,12 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None) -> tuple[Tensor, Te
     is; in the named scratch buffer). Each chunk's masses are summed in float32 by groups of 16 values (16 apart
     in the chunk: the sums add whole slices of it, a vectorised read; consecutive in a last, partial chunk), each
     sum within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
-    integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding)."""
-    f = scaled_masses(torch.clamp(w, 0.0, 1.0, out=None if scratch is None or w.numel() < _SCRATCH_FROM
-                            else SCRATCH.get(scratch, w.shape, torch.float32, w.device)))
+    integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding). ``unit``: every value
+    of ``w`` is in [0, 1] or NaN already (no clamp: one pass fewer)."""
+    out = None if scratch is None or w.numel() < _SCRATCH_FROM else SCRATCH.get(scratch, w.shape, torch.float32,
+                                                                                 w.device)
+    f = scaled_masses(w, out=torch.empty_like(w) if out is None else out) if unit else scaled_masses(
+        torch.clamp(w, 0.0, 1.0, out=out))
     return (*chunk_sum_bounds(chunk_sums(f)), f)
 
 
@@ -249,12 +252,30 @@ def _first_above(cum: Tensor, t: Tensor) -> Tensor:
     return torch.searchsorted(cum, t[:, None].contiguous(), right=True)[:, 0]
 
 
-def _draw_certified(w: Tensor, u: Tensor) -> Tensor:
+def _draw_certified(w: Tensor, u: Tensor, unit: bool = False) -> tuple[Tensor, Tensor]:
     """:func:`sample_by_inversion` of rows of at least 1024 columns: :func:`draw_in_bounds` over the bounds of
-    :func:`chunk_mass_bounds` and the exact masses they come from."""
-    lo, hi, m = chunk_mass_bounds(w, "draw masses")
-    return draw_in_bounds(lo, hi, u, w.shape[1], lambda cols: m.gather(1, cols),
-                          lambda rows: torch.nan_to_num(m.index_select(0, rows), nan=0.0).double())
+    :func:`chunk_mass_bounds` (``unit``: as there) and the exact masses they come from; and the chunks' upper bounds'
+    row sums float64 ``[R]``: 0 exactly where the row's mass is (a mass of 1 or more makes its group's float32 sum
+    at least 1), NaN for a row holding a NaN."""
+    lo, hi, m = chunk_mass_bounds(w, "draw masses", unit)
+    token = draw_in_bounds(lo, hi, u, w.shape[1], lambda cols: m.gather(1, cols),
+                           lambda rows: torch.nan_to_num(m.index_select(0, rows), nan=0.0).double())
+    return token, hi.sum(-1)
+
+
+def sample_with_mass(weights: Tensor, u: Tensor, unit: bool = False) -> tuple[Tensor, Tensor]:
+    """:func:`sample_by_inversion` and :func:`has_mass` of the same rows, the second from the first's pass over wide
+    rows. ``unit``: every weight is in [0, 1] or NaN already (the masses need no clamp). Returns int64 ``[R]``, bool
+    ``[R]``."""
+    R, C = weights.shape
+    if R == 0 or C < 4 * _CHUNK:
+        return sample_by_inversion(weights, u), has_mass(weights)
+    token, upper = _draw_certified(weights, u, unit)
+    mass = upper > 0
+    nan = upper.isnan()  # a row holding a NaN: compared value by value
+    if bool(nan.any()):
+        mass[nan] = has_mass(weights[nan])
+    return token, mass
 
 
 def draw_in_bounds(lo: Tensor, hi: Tensor, u: Tensor, C: int, column_masses, row_masses) -> Tensor:

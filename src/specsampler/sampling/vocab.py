@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .masses import divide_by, has_mass, row_mass, sample_by_inversion
+from .masses import divide_by, has_mass, row_mass, sample_by_inversion, sample_with_mass
 
 
 class Vocab:
@@ -45,3 +45,8 @@ class Vocab:
         """int64 ``[R]`` token ids: the draw by inversion of ``u`` float32 ``[R]`` over the rows' exact masses
         (:func:`specsampler.sampling.masses.sample_by_inversion`)."""
         return sample_by_inversion(w, u)
+
+    def draw_with_mass(self, w: Tensor, u: Tensor, unit: bool = False) -> tuple[Tensor, Tensor]:
+        """:meth:`draw` and :meth:`has_mass` of the same rows (int64 ``[R]``, bool ``[R]``), from one pass where the
+        rows are wide. ``unit``: every weight is in [0, 1] or NaN already."""
+        return sample_with_mass(w, u, unit)

@@ -229,16 +229,19 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
         n = _leading_run((u * q_x < p_x) & c.usable)
         stop_rows = batch * (K + 1) + n
         stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
-        if K:
-            rejected = n < c.num_drafts
-            q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
-            if not bool(rejected.all()):  # a request that accepted every draft draws its bonus from p itself
-                q_rows.mul_(rejected[:, None])
-            stop.sub_(q_rows).clamp_(min=0.0)
-            empty = rejected & ~c.vocab.has_mass(stop)
-            if bool(empty.any()):  # a residual without mass: draw from p itself
-                stop[empty] = target.select(stop_rows[empty]).dense()
-        y = c.vocab.draw(stop, u_draw.gather(1, n[:, None])[:, 0])
+        u = u_draw.gather(1, n[:, None])[:, 0]
+        if not K:
+            return _result(c, n, c.vocab.draw(stop, u), lambda: _expected(c, target, n))
+        rejected = n < c.num_drafts
+        q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
+        if not bool(rejected.all()):  # a request that accepted every draft draws its bonus from p itself
+            q_rows.mul_(rejected[:, None])
+        # clamped to [0, 1], not only at 0: the draw's masses clamp so anyway, and need no pass of their own
+        stop.sub_(q_rows).clamp_(0.0, 1.0)
+        y, mass = c.vocab.draw_with_mass(stop, u, unit=True)
+        empty = rejected & ~mass
+        if bool(empty.any()):  # a residual without mass: draw from p itself
+            y[empty] = c.vocab.draw(target.select(stop_rows[empty]).dense(), u[empty])
         return _result(c, n, y, lambda: _expected(c, target, n))
     # block
     a, p, w, h = _block_terms(c, target, p_x)
