@@ -321,3 +321,35 @@ def test_normalised_masses_are_the_masses_of_the_normalised_weights():
     assert torch.equal(got.double(), masses(divide_by(w, mass)))
     assert odd_masses(torch.tensor([0.0, 1.0, 2.0**32 - 1, 2.0**32], dtype=torch.float64)).tolist() == [
         False, True, True, False]
+
+
+@pytest.mark.parametrize("unit", [False, True])
+def test_a_draw_tells_whether_each_row_has_mass_from_its_own_bounds(unit):
+    """sample_with_mass: the draw and has_mass of the same rows, the second read from the draw's chunk bounds: rows
+    without mass, rows whose only weights lie just below or at 2**-32 (mass 0 and 1), a row holding a NaN with
+    and without other mass, dense rows; equal to the two functions apart, and to the exact draw."""
+    from specsampler.sampling.masses import sample_with_mass
+
+    g = torch.Generator().manual_seed(11)
+    C = 3000
+    w = torch.rand(9, C, generator=g) ** 8
+    w[0] = 0.0
+    w[1] = 0.0
+    w[1, 1777] = 2.0**-32 * (1 - 2**-20)  # mass 0
+    w[2] = 0.0
+    w[2, 2999] = 2.0**-32  # mass 1, in the last, partial chunk
+    w[3, 5] = float("nan")
+    w[4] = 0.0
+    w[4, 17] = float("nan")  # a NaN and nothing else
+    w[5] = 2.0**-33
+    w[5, 256] = 3 * 2.0**-32
+    if not unit:
+        w[6, :10] = -1.0
+        w[7, 100:200] = 5.0
+    u = torch.rand(9, generator=g)
+    before = w.clone()
+    token, mass = sample_with_mass(w, u, unit=unit)
+    assert torch.equal(w.nan_to_num(7.0), before.nan_to_num(7.0))  # the input is not modified
+    assert mass.tolist() == has_mass(w).tolist() == [False, False, True, True, False, True, True, True, True]
+    assert token.tolist() == sample_by_inversion(w, u).tolist()
+    assert token.tolist() == [_exact_draw(r, float(v)) for r, v in zip(w.tolist(), u)]
