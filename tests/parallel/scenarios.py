@@ -374,11 +374,11 @@ def rounds(shard, g):
 
 def settled(shard, g):
     """Trees whose drafts come from the target's own distributions (each child's q its parent's processed row), so
-    that every first child is accepted: rrs and traversal on wide trees, their collectives and whether they equal
-    the one-device op."""
+    that every first child is accepted: rrs and traversal on wide trees (and on roots alone, where no node has a
+    child), their collectives and whether they equal the one-device op."""
     B = 5
     out = []
-    for shape in ([-1] + [0] * 8, [-1, 0, 0, 0, 0, 1, 1, 1, 1]):  # eight children of the root; four of two nodes
+    for shape in ([-1] + [0] * 8, [-1, 0, 0, 0, 0, 1, 1, 1, 1], [-1]):  # eight children of the root; four of two
         tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
         N = len(shape)
         x = torch.randn(B, N, V, generator=g) * 2

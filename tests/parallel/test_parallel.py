@@ -192,10 +192,10 @@ def test_the_shard_path_stays_within_its_rounds_at_every_world_size(ranks):
 def test_a_tree_walk_ends_its_rounds_once_every_request_is_settled(ranks):
     """Where every first child is accepted (drafts from the target's own rows), rrs and traversal need no residual:
     the processing and the draw only (a root of eight children would otherwise take eight residual rounds), and the
-    one-device op's tokens."""
+    one-device op's tokens; so do trees of a root alone (which the shard path once failed on)."""
     for name, kind, same, n, accepted in _same_on_every_rank(ranks, "settled"):
         assert same, (name, kind)
-        assert all(a >= 1 for a in accepted), (name, kind, accepted)
+        assert all(a >= 1 for a in accepted) or name.endswith("[-1]"), (name, kind, accepted)
         assert n <= _processing_rounds(kind) + 1, (name, kind, n)
 
 

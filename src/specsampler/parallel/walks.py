@@ -211,6 +211,8 @@ def _rrs_settled(c, nodes: _Nodes, ok: Tensor, k: int) -> bool:
     and rejected and whose last residual is computed (at most ``k`` children). Every rank holds the same tests, so
     every rank decides alike."""
     B, kids = c.B, nodes.kids
+    if not kids.shape[0]:  # no node has children: every walk ends at its root
+        return True
     width = kids.shape[1]
     batch, rank = torch.arange(B, device=ok.device), torch.arange(width, device=ok.device)
     at = torch.zeros(B, dtype=torch.int64, device=ok.device)
@@ -236,11 +238,13 @@ def _draw_at(node: Tensor, nodes: _Nodes, target, residual: Tensor, lo: Tensor, 
     at a leaf, from its processed row; at the node's uniform in ``u_draw`` ``[B, N]``. Global ids ``[B]``."""
     batch = torch.arange(node.numel(), device=node.device)
     slot, row = nodes.slot[batch, node], nodes.row(batch, node)
-    inner, at = slot >= 0, slot.clamp(min=0)
-    w = torch.where(inner[:, None], residual[at], target.probs[row])
-    lo = torch.where(inner[None], lo[:, at], target.lo[:, row])
-    hi = torch.where(inner[None], hi[:, at], target.hi[:, row])
-    y, _ = yield from draw(w, u_draw[batch, node], lo, hi, target.layout, shard)
+    w, w_lo, w_hi = target.probs[row], target.lo[:, row], target.hi[:, row]
+    if residual.shape[0]:  # else no node has children: every draw is at a leaf
+        inner, at = slot >= 0, slot.clamp(min=0)
+        w = torch.where(inner[:, None], residual[at], w)
+        w_lo = torch.where(inner[None], lo[:, at], w_lo)
+        w_hi = torch.where(inner[None], hi[:, at], w_hi)
+    y, _ = yield from draw(w, u_draw[batch, node], w_lo, w_hi, target.layout, shard)
     return y
 
 
