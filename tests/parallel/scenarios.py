@@ -400,6 +400,35 @@ def settled(shard, g):
     return out
 
 
+def compact(shard, g):
+    """Top-k rows and i.i.d. drafts (the walk on each rank alone, after one round that reads every child's q at its
+    parent's candidates) on wide and deep trees, with draft probabilities that are valid, and with one below 0 or
+    NaN outside the candidates (which gives a residual mass there: the walk keeps its rounds): whether each equals
+    the one-device op, and its collectives."""
+    B = 6
+    out = []
+    for shape in (WIDE, BINARY, [-1] + [0] * 8):
+        tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
+        N = len(shape)
+        x = torch.randn(B, N, V, generator=g) * 2
+        q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
+        drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+        for bad in (None, -0.5, float("nan")):
+            qb = q.clone()
+            if bad is not None:  # the lowest logit of node 0's row: never a candidate of top-k 4
+                qb[:, 1:, x[0, 0].argmin()] = bad
+            for kind in ("top-k", "top-k, top-p"):
+                params = ss.SamplingParams(**KINDS[kind])
+                rng = _philox(g, B)
+                for method in ("rrs", "traversal"):
+                    res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
+                                          draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+                    ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
+                    same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
+                    out.append([f"{method} {shape} q {bad}", kind, same, len(calls)])
+    return out
+
+
 WIDE_V = 32_000 if os.environ.get("SPECSAMPLER_FULL_MC") == "1" else 3001  # the suite's full-size switch
 
 
@@ -544,5 +573,5 @@ def strategies(shard, g):
 
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
              "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
-             "rounds": rounds, "settled": settled, "wide": wide, "wide auto": wide_auto, "fallbacks": fallbacks,
-             "strategies": strategies}
+             "rounds": rounds, "settled": settled, "compact": compact, "wide": wide, "wide auto": wide_auto,
+             "fallbacks": fallbacks, "strategies": strategies}

@@ -152,6 +152,12 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
     rounds, _ = _process(rp, V, (children > 0).long().reshape(-1)[present])
     rounds[0] += _b(int((depth > 0).sum()), 4)
+    greedy_rows, bounded, _, _ = (t.cpu() for t in _kinds(rp.temperature, rp.top_k, rp.top_p, V, True))
+    if sampling == "iid" and bool((greedy_rows | bounded).all()):  # walks._Compact: one round, then every rank alone
+        C = min(int(torch.where(greedy_rows, 1, rp.top_k.cpu()).max()),
+                world * min(V, int(torch.where(greedy_rows, 1, rp.top_k.cpu()).max())))
+        kids = int((depth > 0).sum())
+        return _rounds(rounds + ([_b(kids * C, 4) + _b(1, 1)] if kids else [])), gather
     wo = sampling == "without_replacement"
     active = _active_per_round(method, tree, children)
     for a in active:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..params import RowParams
-from ..sampling.masses import as_weight, divide_by, row_mass
+from ..sampling.masses import as_weight, divide_by, has_mass, row_mass, sample_by_inversion
 from ..verify.chain import (
     ChainInputs,
     ChainResult,
@@ -106,7 +106,49 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     q_at = torch.zeros(c.B, c.N, device=x.device)
     q_at[child] = q_x
     walk = _rrs if c.method == "rrs" else _traversal
-    return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept))
+    held = target.part is not None and target.part.ids is not None and target.part_rows.numel() == present.numel()
+    compact = (yield from _candidates(c, nodes, target, shard)) if held and c.sampling == "iid" else None
+    return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact))
+
+
+class _Compact:
+    """The walk on every rank alone, where every row is a top-k (or greedy) row and the drafts are i.i.d.: a row's
+    residuals are 0 outside its kept candidates (``max(r - q, 0)`` with ``r`` 0 there and ``q >= 0``), which every
+    rank holds, so with each child's q at its parent's candidates no residual needs a round, nor the draw.
+
+    ids: int64 ``[s, C]``, the candidates (increasing ids) of each node with children (``nodes``' slots); q: float32
+    ``[s, max_children, C]``, each child's q there (0 past the last child)."""
+
+    def __init__(self, ids: Tensor, q: Tensor):
+        self.ids, self.q = ids, q
+
+    @staticmethod
+    def value(w: Tensor, ids: Tensor, x: Tensor) -> Tensor:
+        """float32 ``[a]``: rows ``w`` ``[a, C]`` over candidates ``ids`` at global ids ``x`` ``[a]`` (0 where absent,
+        or -1)."""
+        return torch.where(ids == x[:, None], w, 0.0).sum(-1)
+
+
+def _candidates(c, nodes: _Nodes, target, shard: VocabShard) -> Task[_Compact | None]:
+    """:class:`_Compact` for the walk, in one round: every child's q at its parent's candidates, and whether any rank
+    holds a draft probability below 0 or NaN (then None: such q gives residuals mass outside the candidates, and
+    the walk keeps its rounds)."""
+    b, kids = nodes.b, nodes.kids
+    ids = target.part.ids[_held_index(target, nodes.row(b, nodes.v))]  # [s, C]
+    s, C = ids.shape
+    if not s:  # no node has children: nothing to read (every draw is at a root)
+        return _Compact(ids, torch.zeros(0, kids.shape[1], C, device=ids.device))
+    at = (kids >= 0).nonzero(as_tuple=True)
+    q_rows = (b[at[0]] * c.N + kids[at])[:, None].expand(-1, C)
+    q_flat = c.q.flatten(0, 1)
+    present = (c.tree.depth > 0).reshape(-1).nonzero()[:, 0]
+    bad = ~(q_flat.index_select(0, present) >= 0).all() if shard.size else torch.tensor(False, device=ids.device)
+    got = yield [owned_values(q_flat, q_rows.reshape(-1), ids[at[0]].reshape(-1), shard), bad.to(torch.uint8)[None]]
+    if bool(got.parts[1].any()):
+        return None
+    q = torch.zeros(s, kids.shape[1], C, device=ids.device)
+    q[at] = got.parts[0].sum(0).view(-1, C)
+    return _Compact(ids, q)
 
 
 class _Drawn:
@@ -162,14 +204,16 @@ def _residual_round(w: Tensor, zeroed: Tensor | None, at: list[Tensor], shard: V
     return out
 
 
-def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Task[tuple[Tensor, Tensor, Tensor]]:
+def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
+         compact: _Compact | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """Recursive rejection sampling: each node's residuals (one per rejected child, in sibling order) advance one
-    a round for every node at once, the value each child is tested against riding in the round before; then the
-    walk, and one draw."""
+    a round for every node at once, the value each child is tested against riding in the round before (with
+    ``compact``, on every rank alone); then the walk, and one draw."""
     B, N, dev = c.B, c.N, q_at.device
     wo = c.sampling == "without_replacement"
     b, kids = nodes.b, nodes.kids
-    r = target.probs[nodes.row(b, nodes.v)]  # each node's current residual, updated in place
+    # each node's current residual, updated in place: over its candidates with ``compact``, else its shard's columns
+    r = _held_rows(target, nodes.row(b, nodes.v)) if compact is not None else target.probs[nodes.row(b, nodes.v)]
     lo, hi = target.lo[:, nodes.row(b, nodes.v)], target.hi[:, nodes.row(b, nodes.v)]
     q_state = c.q[b, kids[:, 0]] if wo else None  # without replacement: the siblings' shared q
     test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
@@ -184,14 +228,20 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
         ba, ck = b[act], kids[act, k]
         nxt = kids[act, k + 1] if k + 1 < kids.shape[1] else torch.full_like(ck, -1)
         x_k, x_n = c.x[ba, ck], torch.where(nxt >= 0, c.x[ba, nxt.clamp(min=0)], -1)
-        q = q_state[act] if wo else c.q[ba, ck]
-        residual = (r[act] - q).clamp_(min=0.0)
-        zeroed = _zero_at(q, x_k, shard) if wo else None
-        mass, count, *rest = yield from _residual_round(residual, zeroed, [r[act], q, x_n], shard)
-        q_mass, r_n, q_n = rest if wo else (None, *rest)
-        total = mass.sum(0)
+        if compact is not None:
+            q = compact.q[act, k]
+            residual = (r[act] - q).clamp_(min=0.0)
+            total = row_mass(residual)
+            r_n, q_n = (compact.value(t, compact.ids[act], x_n) for t in (r[act], q))
+        else:
+            q = q_state[act] if wo else c.q[ba, ck]
+            residual = (r[act] - q).clamp_(min=0.0)
+            zeroed = _zero_at(q, x_k, shard) if wo else None
+            mass, count, *rest = yield from _residual_round(residual, zeroed, [r[act], q, x_n], shard)
+            q_mass, r_n, q_n = rest if wo else (None, *rest)
+            total = mass.sum(0)
+            _renormalised_bounds(lo, hi, act, mass, count, total)
         r[act] = torch.where(total[:, None] > 0, divide_by(residual, total[:, None]), r[act])
-        _renormalised_bounds(lo, hi, act, mass, count, total)
         if wo:
             q_state[act] = divide_by(zeroed, q_mass[:, None])
         more = nxt >= 0
@@ -200,8 +250,21 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Tas
             test_q[ba[more], nxt[more]] = divide_by(torch.where(x_n == x_k, 0.0, q_n), q_mass)[more]
     ok = c.usable & (u_accept * test_q < test_r)
     path, n, stop = _walk_down(c, ok)
-    y = yield from _draw_at(stop, nodes, target, r, lo, hi, u_draw, shard)
+    y = _draw_held(stop, nodes, target, r, compact, u_draw) if compact is not None else (
+        yield from _draw_at(stop, nodes, target, r, lo, hi, u_draw, shard))
     return path, n, y
+
+
+def _held_index(target, rows: Tensor) -> Tensor:
+    """int64 ``[n]``: the processed rows ``rows`` as rows of :attr:`.rows.Rows.part`, which holds every row."""
+    at = torch.empty_like(target.part_rows)
+    at[target.part_rows] = torch.arange(target.part_rows.numel(), device=at.device)
+    return at[rows]
+
+
+def _held_rows(target, rows: Tensor) -> Tensor:
+    """float32 ``[n, C]``: the processed rows ``rows`` at their candidates, as every rank holds them."""
+    return target.part.probs[_held_index(target, rows)]
 
 
 def _rrs_settled(c, nodes: _Nodes, ok: Tensor, k: int) -> bool:
@@ -229,6 +292,21 @@ def _rrs_settled(c, nodes: _Nodes, ok: Tensor, k: int) -> bool:
         going = inner & found
         at = torch.where(going, row.gather(1, first.clamp(max=width - 1)[:, None])[:, 0], at)
     return bool(settled.all())
+
+
+def _draw_held(node: Tensor, nodes: _Nodes, target, residual: Tensor, compact: _Compact, u_draw: Tensor) -> Tensor:
+    """:func:`_draw_at` on every rank alone, from residuals over candidates (``residual`` ``[s, C]``, ``compact``),
+    as the one-device draw over the whole row: inversion in id order over exact masses (the zeros between the
+    candidates change no prefix sum), 0 for a row without mass. Global ids ``[B]``."""
+    batch = torch.arange(node.numel(), device=node.device)
+    slot, row = nodes.slot[batch, node], nodes.row(batch, node)
+    w, ids = _held_rows(target, row), target.part.ids[_held_index(target, row)]
+    if residual.shape[0]:  # else no node has children: every draw is at a leaf
+        inner, at = slot >= 0, slot.clamp(min=0)
+        w = torch.where(inner[:, None], residual[at], w)
+        ids = torch.where(inner[:, None], compact.ids[at], ids)
+    col = sample_by_inversion(w, u_draw[batch, node])
+    return torch.where(has_mass(w), ids.gather(1, col[:, None])[:, 0], 0)
 
 
 def _draw_at(node: Tensor, nodes: _Nodes, target, residual: Tensor, lo: Tensor, hi: Tensor, u_draw: Tensor,
@@ -291,7 +369,8 @@ def _walk_down(c, ok: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return path, n, at
 
 
-def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) -> Task[tuple[Tensor, Tensor, Tensor]]:
+def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
+               compact: _Compact | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """Traversal verification: a node's state after each deletion of a child (``Mb``, ``a``, and without replacement
     ``Ms``) depends on the tree alone, not on the draws; so every node's states advance one a round, all nodes at
     once, each child pushed (its ``a``) as soon as its parent's state before it is known. Then the first node in
@@ -301,6 +380,8 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
     b, v, kids = nodes.b, nodes.v, nodes.kids
     rows = nodes.row(b, v)
     mb, lo, hi = target.probs[rows], target.lo[:, rows], target.hi[:, rows]
+    if compact is not None:  # each node's Mb over its candidates (see _Compact)
+        mb = _held_rows(target, rows)
     ms = c.q[b, kids[:, 0]] if wo else None  # all children of a node share its q
     a = torch.zeros(B, N, device=dev)
     done = torch.full((B, N), -1, dtype=torch.int64, device=dev)  # children deleted so far; -1: not pushed
@@ -337,18 +418,24 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
         nxt = torch.where(j + 1 < kids.shape[1], kids[act, (j + 1).clamp(max=kids.shape[1] - 1)], -1)
         x_k, x_n = c.x[ba, ck], torch.where(nxt >= 0, c.x[ba, nxt.clamp(min=0)], -1)
         a_u = a[ba, va]
-        q = ms[act] if wo else c.q[ba, ck]
-        w = (a_u[:, None] * mb[act] - q).clamp_(min=0.0)
-        zeroed = _zero_at(q, x_k, shard) if wo else None
-        mass, count, *rest = yield from _residual_round(w, zeroed, [w, mb[act]] + ([q] if wo else []) + [x_n], shard)
-        q_mass, w_n, mb_n, ms_n = rest if wo else (None, *rest, None)
-        total = mass.sum(0)
+        if compact is not None:
+            w = (a_u[:, None] * mb[act] - compact.q[act, j]).clamp_(min=0.0)
+            total = row_mass(w)
+            w_n, mb_n = (compact.value(t, compact.ids[act], x_n) for t in (w, mb[act]))
+        else:
+            q = ms[act] if wo else c.q[ba, ck]
+            w = (a_u[:, None] * mb[act] - q).clamp_(min=0.0)
+            zeroed = _zero_at(q, x_k, shard) if wo else None
+            mass, count, *rest = yield from _residual_round(w, zeroed, [w, mb[act]] + ([q] if wo else []) + [x_n],
+                                                            shard)
+            q_mass, w_n, mb_n, ms_n = rest if wo else (None, *rest, None)
+            total = mass.sum(0)
+            _renormalised_bounds(lo, hi, act, mass, count, total)
         s = as_weight(total)
         mb[act] = torch.where(total[:, None] > 0, divide_by(w, total[:, None]), mb[act])
         # a = 0 (a node never accepted) stays 0, even where bad values (q < 0) give w mass
         a[ba, va] = torch.where((total > 0) & (a_u > 0), s / (s + 1 - a_u), 0.0)
         done[ba, va] = j + 1
-        _renormalised_bounds(lo, hi, act, mass, count, total)
         if wo:
             ms[act] = divide_by(zeroed, q_mass[:, None])
         more = nxt >= 0
@@ -359,7 +446,8 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept) 
     # the first node in post-order whose test passes (the root always does)
     passed = (t.depth == 0) | ((t.depth > 0) & (u_accept < a))
     leaf = torch.where(passed, post, N * N).argmin(-1)
-    y = yield from _draw_at(leaf, nodes, target, mb, lo, hi, u_draw, shard)
+    y = _draw_held(leaf, nodes, target, mb, compact, u_draw) if compact is not None else (
+        yield from _draw_at(leaf, nodes, target, mb, lo, hi, u_draw, shard))
     batch = torch.arange(B, device=dev)
     n = t.depth[batch, leaf]
     path = torch.full((B, t.max_depth + 1), -1, dtype=torch.int64, device=dev)
