@@ -400,23 +400,27 @@ def settled(shard, g):
     return out
 
 
+_OUTSIDE = 7  # an id the compact scenarios keep out of every row's candidates
+
+
 def compact(shard, g):
     """Top-k rows and i.i.d. drafts (the walk on each rank alone, after one round that reads every child's q at its
-    parent's candidates) on wide and deep trees, with draft probabilities that are valid, and with one below 0 or
-    NaN outside the candidates (which gives a residual mass there: the walk keeps its rounds): whether each equals
-    the one-device op, and its collectives."""
+    parent's candidates) on wide and deep trees, and chains (token, block), with draft probabilities that are valid,
+    and with one below 0 or NaN outside the candidates (which gives a residual mass there: the walk keeps its
+    rounds): whether each equals the one-device op, and its collectives."""
     B = 6
     out = []
     for shape in (WIDE, BINARY, [-1] + [0] * 8):
         tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
         N = len(shape)
         x = torch.randn(B, N, V, generator=g) * 2
+        x[..., _OUTSIDE] = -20.0  # never a candidate
         q = torch.softmax(torch.randn(B, N, V, generator=g), -1)
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
         for bad in (None, -0.5, float("nan")):
             qb = q.clone()
-            if bad is not None:  # the lowest logit of node 0's row: never a candidate of top-k 4
-                qb[:, 1:, x[0, 0].argmin()] = bad
+            if bad is not None:
+                qb[:, 1:, _OUTSIDE] = bad
             for kind in ("top-k", "top-k, top-p"):
                 params = ss.SamplingParams(**KINDS[kind])
                 rng = _philox(g, B)
@@ -426,6 +430,25 @@ def compact(shard, g):
                     ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
                     same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
                     out.append([f"{method} {shape} q {bad}", kind, same, len(calls)])
+    K = 4
+    x = torch.randn(B, K + 1, V, generator=g) * 2
+    x[..., _OUTSIDE] = -20.0
+    for accepted in (False, True):  # drafts from q, mostly rejected; drafts from the target's own rows, all accepted
+        q = ss.logits_to_probs(x[:, :K], ss.SamplingParams(top_k=4)) if accepted else torch.softmax(
+            torch.randn(B, K, V, generator=g), -1)
+        drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+        for bad in (None, -0.5, float("nan")):
+            qb = q.clone()
+            if bad is not None:
+                qb[:, :, _OUTSIDE] = bad
+            for method in ("token", "block"):
+                params = ss.SamplingParams(top_k=4)
+                rng = _philox(g, B)
+                res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
+                                      draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+                ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
+                name = f"chain {method} {'accepted' if accepted else 'rejected'} q {bad}"
+                out.append([name, "top-k", _outcome(res) == _outcome(ref), len(calls)])
     return out
 
 

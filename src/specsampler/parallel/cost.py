@@ -95,6 +95,16 @@ def _process(rp: RowParams, V: int, rows_reads: Tensor, min_candidates: int = 0)
     return [r - _HEAD for r in _rounds(*tasks)], nn + np_
 
 
+def _held_width(rp: RowParams, V: int, world: int) -> int:
+    """The candidates per row every rank holds after the processing where every row is a greedy or top-k row
+    (:func:`.process.process`), else 0."""
+    greedy, bounded, _, _ = (t.cpu() for t in _kinds(rp.temperature, rp.top_k, rp.top_p, V, True))
+    if not bool((greedy | bounded).all()):
+        return 0
+    k = int(torch.where(greedy, 1, rp.top_k.cpu()).max())
+    return min(k, world * min(V, k))
+
+
 def _gather(V: int, world: int, *tensors: Tensor | None) -> list[int]:
     """One round of the tensors' rows, ``ceil(V / world)`` columns each."""
     per = -(-V // world)
@@ -128,6 +138,9 @@ def chain_plan(method: str, greedy: bool, rp: RowParams, logits: Tensor, q: Tens
     reads = (torch.arange(K1) < K).long().repeat(B)
     rounds, dense = _process(rp, V, reads)
     rounds[0] += _b(B * K, 4) if q is not None else 0
+    C = _held_width(rp, V, world)
+    if C and K and method in ("token", "block"):  # walks._held_chain: the residuals' draft rows at the candidates
+        return _rounds(rounds + [_b(B * (K if method == "block" else 1) * C, 4) + _b(1, 1)]), gather
     if method == "target_only":
         rounds += [_draw(dense)] if dense else []
     else:
@@ -152,10 +165,8 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
     rounds, _ = _process(rp, V, (children > 0).long().reshape(-1)[present])
     rounds[0] += _b(int((depth > 0).sum()), 4)
-    greedy_rows, bounded, _, _ = (t.cpu() for t in _kinds(rp.temperature, rp.top_k, rp.top_p, V, True))
-    if sampling == "iid" and bool((greedy_rows | bounded).all()):  # walks._Compact: one round, then every rank alone
-        C = min(int(torch.where(greedy_rows, 1, rp.top_k.cpu()).max()),
-                world * min(V, int(torch.where(greedy_rows, 1, rp.top_k.cpu()).max())))
+    C = _held_width(rp, V, world)
+    if sampling == "iid" and C:  # walks._Compact: one round, then every rank alone
         kids = int((depth > 0).sum())
         return _rounds(rounds + ([_b(kids * C, 4) + _b(1, 1)] if kids else [])), gather
     wo = sampling == "without_replacement"

@@ -48,6 +48,10 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
         n = _leading_run((draws[:, :K] == c.x) & c.usable)
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: expected_of(c, p_x, None))
     q_x = q_read[0][0].view(B, K)
+    if _all_held(target, B * (K + 1)):  # top-k rows: residuals over their candidates, on every rank alone
+        got = yield from _held_chain(c, target, p_x, q_x, u_draw, u_accept, shard)
+        if got is not None:
+            return got
     p = target.probs.view(B, K + 1, -1)
     if c.method == "token":
         n = _leading_run((u_accept[:, 1:] * q_x < p_x) & c.usable)
@@ -81,6 +85,48 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     return _result(c, tau, y, lambda: _block_expected(h))
 
 
+def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, u_draw: Tensor, u_accept: Tensor,
+                shard: VocabShard) -> Task[ChainResult | None]:
+    """``token`` and ``block`` where every row is a top-k (or greedy) row: every rank holds the rows' candidates, and
+    a residual ``max(a p - q, 0)`` is 0 outside them, so one round reads the draft rows the residuals need at those
+    candidates (:func:`_q_at`; none where every draft was accepted) and the rest runs on every rank alone, the
+    one-device arithmetic over the candidates. None where a draft row holds a value below 0 or NaN (then the shard
+    path)."""
+    B, K, dev = c.B, c.K, p_x.device
+    batch = torch.arange(B, device=dev)
+    if c.method == "token":
+        n = _leading_run((u_accept[:, 1:] * q_x < p_x) & c.usable)
+        stop = batch * (K + 1) + n
+        w, ids = _held_rows(target, stop), target.part.ids[_held_index(target, stop)]
+        rejected = n < c.num_drafts
+        if K and bool(rejected.any()):  # the residual max(p - q, 0) where a draft was rejected
+            q = yield from _q_at(c.q.flatten(0, 1), batch * K + n.clamp(max=K - 1), ids, shard)
+            if q is None:
+                return None
+            residual = (w - q * rejected[:, None]).clamp_(min=0.0)
+            w = torch.where((rejected & has_mass(residual))[:, None], residual, w)  # none: draw from p itself
+        return _result(c, n, _held_draw(w, ids, u_draw.gather(1, n[:, None])[:, 0]), lambda: expected_of(c, p_x, q_x))
+    if not K:
+        return None
+    drafted = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)
+    ids = target.part.ids[_held_index(target, drafted)]
+    q = yield from _q_at(c.q.flatten(0, 1), torch.arange(B * K, device=dev), ids, shard)
+    if q is None:
+        return None
+    a = block_a(c.usable, p_x, q_x)
+    w = (a[:, :K].reshape(-1, 1) * _held_rows(target, drafted) - q).clamp_(min=0.0)
+    mass = row_mass(w)
+    h = block_h(c, a, as_weight(mass).view(B, K))
+    pos = torch.arange(K + 1, device=dev)
+    tau = torch.where((u_accept < h) | (pos == 0), pos, 0).amax(1)
+    bonus = batch * (K + 1) + tau
+    at = batch * K + tau.clamp(max=K - 1)
+    residual = ((tau < c.num_drafts) & (mass[at] > 0))[:, None]  # the residual w_tau, else the bonus row p_tau
+    stop = torch.where(residual, w[at], _held_rows(target, bonus))
+    ids = torch.where(residual, ids[at], target.part.ids[_held_index(target, bonus)])
+    return _result(c, tau, _held_draw(stop, ids, u_draw.gather(1, tau[:, None])[:, 0]), lambda: _block_expected(h))
+
+
 def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_draw: Tensor,
                 u_accept: Tensor | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """Sampled tree verification (``target_only``, ``rrs``, ``traversal``) of logits ``x`` float32 ``[B * N,
@@ -106,8 +152,8 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     q_at = torch.zeros(c.B, c.N, device=x.device)
     q_at[child] = q_x
     walk = _rrs if c.method == "rrs" else _traversal
-    held = target.part is not None and target.part.ids is not None and target.part_rows.numel() == present.numel()
-    compact = (yield from _candidates(c, nodes, target, shard)) if held and c.sampling == "iid" else None
+    held = _all_held(target, present.numel()) and c.sampling == "iid"
+    compact = (yield from _candidates(c, nodes, target, shard)) if held else None
     return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact))
 
 
@@ -130,25 +176,37 @@ class _Compact:
 
 
 def _candidates(c, nodes: _Nodes, target, shard: VocabShard) -> Task[_Compact | None]:
-    """:class:`_Compact` for the walk, in one round: every child's q at its parent's candidates, and whether any rank
-    holds a draft probability below 0 or NaN (then None: such q gives residuals mass outside the candidates, and
-    the walk keeps its rounds)."""
+    """:class:`_Compact` for the walk, in one round (:func:`_q_at`), or None."""
     b, kids = nodes.b, nodes.kids
     ids = target.part.ids[_held_index(target, nodes.row(b, nodes.v))]  # [s, C]
     s, C = ids.shape
     if not s:  # no node has children: nothing to read (every draw is at a root)
         return _Compact(ids, torch.zeros(0, kids.shape[1], C, device=ids.device))
     at = (kids >= 0).nonzero(as_tuple=True)
-    q_rows = (b[at[0]] * c.N + kids[at])[:, None].expand(-1, C)
-    q_flat = c.q.flatten(0, 1)
-    present = (c.tree.depth > 0).reshape(-1).nonzero()[:, 0]
-    bad = ~(q_flat.index_select(0, present) >= 0).all() if shard.size else torch.tensor(False, device=ids.device)
-    got = yield [owned_values(q_flat, q_rows.reshape(-1), ids[at[0]].reshape(-1), shard), bad.to(torch.uint8)[None]]
-    if bool(got.parts[1].any()):
+    got = yield from _q_at(c.q.flatten(0, 1), b[at[0]] * c.N + kids[at], ids[at[0]], shard)
+    if got is None:
         return None
     q = torch.zeros(s, kids.shape[1], C, device=ids.device)
-    q[at] = got.parts[0].sum(0).view(-1, C)
+    q[at] = got
     return _Compact(ids, q)
+
+
+def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor | None]:
+    """Draft rows ``rows`` int64 ``[n]`` of ``q`` ``[R, size]`` at global ids ``[n, C]``, on every rank, in one
+    round (float32 ``[n, C]``); None where any rank's rows hold a value below 0 or NaN, whose ``max(p - q, 0)`` has
+    mass outside the candidates."""
+    bad = ~(q.index_select(0, rows) >= 0).all() if shard.size else torch.zeros((), dtype=torch.bool)
+    got = yield [owned_values(q, rows[:, None].expand_as(ids).reshape(-1), ids.reshape(-1), shard),
+                 bad.to(device=ids.device, dtype=torch.uint8)[None]]
+    return None if bool(got.parts[1].any()) else got.parts[0].sum(0).view(ids.shape)
+
+
+def _held_draw(w: Tensor, ids: Tensor, u: Tensor) -> Tensor:
+    """The one-device draw over whole rows, from rows ``w`` ``[n, C]`` over candidates ``ids`` (increasing; 0
+    elsewhere): inversion in id order over exact masses (the zeros between candidates change no prefix sum), 0 for a
+    row without mass. Global ids int64 ``[n]``."""
+    col = sample_by_inversion(w, u)
+    return torch.where(has_mass(w), ids.gather(1, col[:, None])[:, 0], 0)
 
 
 class _Drawn:
@@ -255,6 +313,11 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
     return path, n, y
 
 
+def _all_held(target, R: int) -> bool:
+    """Whether every one of the ``R`` processed rows is a top-k (or greedy) row, its candidates on every rank."""
+    return target.part is not None and target.part.ids is not None and target.part_rows.numel() == R
+
+
 def _held_index(target, rows: Tensor) -> Tensor:
     """int64 ``[n]``: the processed rows ``rows`` as rows of :attr:`.rows.Rows.part`, which holds every row."""
     at = torch.empty_like(target.part_rows)
@@ -295,9 +358,8 @@ def _rrs_settled(c, nodes: _Nodes, ok: Tensor, k: int) -> bool:
 
 
 def _draw_held(node: Tensor, nodes: _Nodes, target, residual: Tensor, compact: _Compact, u_draw: Tensor) -> Tensor:
-    """:func:`_draw_at` on every rank alone, from residuals over candidates (``residual`` ``[s, C]``, ``compact``),
-    as the one-device draw over the whole row: inversion in id order over exact masses (the zeros between the
-    candidates change no prefix sum), 0 for a row without mass. Global ids ``[B]``."""
+    """:func:`_draw_at` on every rank alone, from residuals over candidates (``residual`` ``[s, C]``, ``compact``):
+    :func:`_held_draw`. Global ids ``[B]``."""
     batch = torch.arange(node.numel(), device=node.device)
     slot, row = nodes.slot[batch, node], nodes.row(batch, node)
     w, ids = _held_rows(target, row), target.part.ids[_held_index(target, row)]
@@ -305,8 +367,7 @@ def _draw_held(node: Tensor, nodes: _Nodes, target, residual: Tensor, compact: _
         inner, at = slot >= 0, slot.clamp(min=0)
         w = torch.where(inner[:, None], residual[at], w)
         ids = torch.where(inner[:, None], compact.ids[at], ids)
-    col = sample_by_inversion(w, u_draw[batch, node])
-    return torch.where(has_mass(w), ids.gather(1, col[:, None])[:, 0], 0)
+    return _held_draw(w, ids, u_draw[batch, node])
 
 
 def _draw_at(node: Tensor, nodes: _Nodes, target, residual: Tensor, lo: Tensor, hi: Tensor, u_draw: Tensor,
