@@ -2,8 +2,9 @@
 
 For each world size, a group of processes (gloo on CPU; ``--device cuda``: NCCL, one GPU per rank); each rank holds
 its even shard of the target logits. For each op (the issue's table: sampling with temperature, top-k + top-p and
-top-p; chain verification, token and target_only; tree verification, rrs and traversal on 8 nodes of depth 3; and
-greedy chain verification), per rank and call: the collectives (rounds, bytes each rank sends, counted by
+top-p; chain verification, token and target_only; tree verification, rrs and traversal on 8 nodes of depth 3; chain
+token and tree rrs with top-k + top-p, whose residuals run over the candidates every rank holds; and greedy chain
+verification), per rank and call: the collectives (rounds, bytes each rank sends, counted by
 ``specsampler.parallel.count_collectives``) and the median time of
 
 - ``shard``: the rows processed on the shards, a few rounds of small collectives;
@@ -83,10 +84,14 @@ def _ops(shard, B: int, K: int, V: int, device) -> dict:
         "sample_from_logits top-p 0.9": lambda **kw: sample(x[:, 0], top_p, rng, shard=shard, **kw).tokens,
         "verify_chain_from_logits token, top-p 0.9": lambda **kw: chain(
             x, drafts, top_p, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
+        "verify_chain_from_logits token, top-k 50 + top-p 0.9": lambda **kw: chain(
+            x, drafts, top_kp, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
         "verify_chain_from_logits target_only, top-k + top-p": lambda **kw: chain(
             x, drafts, top_kp, method="target_only", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits rrs iid, top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_p, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
+        "verify_tree_from_logits rrs iid, top-k 50 + top-p 0.9": lambda **kw: verify_tree(
+            xt, dt, tree, top_kp, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits traversal w/o repl., top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_p, draft_probs=qt, method="traversal", draft_sampling="without_replacement", rng=rng,
             shard=shard, **kw).tokens,
