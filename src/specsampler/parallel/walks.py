@@ -20,7 +20,9 @@ from ..verify.chain import (
     _result,
     block_a,
     block_h,
+    block_tau,
     expected_of,
+    token_accepted,
 )
 from ..verify.walks import TreeInputs, _ratio, walk_draws
 from .draws import draw, exact_masses, local, mass_and_count, normalised_bounds, owned_values, read
@@ -54,7 +56,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
             return got
     p = target.probs.view(B, K + 1, -1)
     if c.method == "token":
-        n = _leading_run((u_accept[:, 1:] * q_x < p_x) & c.usable)
+        n = token_accepted(c, u_accept[:, 1:], p_x, q_x)
         stop = batch * (K + 1) + n
         w, lo, hi = p.flatten(0, 1)[stop], target.lo[:, stop], target.hi[:, stop]
         rejected = n < c.num_drafts
@@ -72,8 +74,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     w = (a[:, :K, None] * p[:, :K] - c.q).clamp_(min=0.0).flatten(0, 1)
     mass = (yield from exact_masses(w)) if K else w.new_zeros(target.lo.shape[0], 0, dtype=torch.float64)
     h = block_h(c, a, as_weight(mass.sum(0)).view(B, K))
-    pos = torch.arange(K + 1, device=dev)
-    tau = torch.where((u_accept < h) | (pos == 0), pos, 0).amax(1)
+    tau = block_tau(h, u_accept)
     bonus = batch * (K + 1) + tau
     stop, lo, hi = p.flatten(0, 1)[bonus], target.lo[:, bonus], target.hi[:, bonus]
     if K:  # the residual w_tau where tau < num_drafts and it has mass
@@ -95,7 +96,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, u_draw: Tensor
     B, K, dev = c.B, c.K, p_x.device
     batch = torch.arange(B, device=dev)
     if c.method == "token":
-        n = _leading_run((u_accept[:, 1:] * q_x < p_x) & c.usable)
+        n = token_accepted(c, u_accept[:, 1:], p_x, q_x)
         stop = batch * (K + 1) + n
         w, ids = _held_rows(target, stop), target.part.ids[_held_index(target, stop)]
         rejected = n < c.num_drafts
@@ -117,8 +118,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, u_draw: Tensor
     w = (a[:, :K].reshape(-1, 1) * _held_rows(target, drafted) - q).clamp_(min=0.0)
     mass = row_mass(w)
     h = block_h(c, a, as_weight(mass).view(B, K))
-    pos = torch.arange(K + 1, device=dev)
-    tau = torch.where((u_accept < h) | (pos == 0), pos, 0).amax(1)
+    tau = block_tau(h, u_accept)
     bonus = batch * (K + 1) + tau
     at = batch * K + tau.clamp(max=K - 1)
     residual = ((tau < c.num_drafts) & (mass[at] > 0))[:, None]  # the residual w_tau, else the bonus row p_tau

@@ -177,6 +177,19 @@ def block_h(c: ChainInputs, a: Tensor, s: Tensor) -> Tensor:
     return h
 
 
+def token_accepted(c: ChainInputs, u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
+    """token's accepted counts int64 ``[B]``: the leading drafts with ``u_i q_i(x_i) < p_i(x_i)`` (strict), from the
+    acceptance uniforms ``u`` and the drafts' probabilities float32 ``[B, K]``."""
+    return _leading_run((u * q_x < p_x) & c.usable)
+
+
+def block_tau(h: Tensor, eta: Tensor) -> Tensor:
+    """Block verification's accepted count int64 ``[B]``: the last position ``i`` with ``eta_i < h_i`` (0 if none),
+    from ``h`` and the acceptance uniforms ``eta`` float32 ``[B, K+1]``."""
+    pos = torch.arange(h.shape[1], device=h.device)
+    return torch.where((eta < h) | (pos == 0), pos, 0).amax(1)
+
+
 def _expected(c: ChainInputs, target: Processed | None, n: Tensor) -> Tensor:
     """:attr:`ChainResult.expected_accepted` given the drafts (``n``: the accepted counts, for greedy)."""
     if c.method == "greedy":
@@ -226,7 +239,7 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     q_x = c.q_x()
     if c.method == "token":
         u = draw(STREAM_ACCEPT, K + 1)[:, 1:]  # draft i is node i+1 of the chain
-        n = _leading_run((u * q_x < p_x) & c.usable)
+        n = token_accepted(c, u, p_x, q_x)
         stop_rows = batch * (K + 1) + n
         stop = target.select(stop_rows).dense()  # a new tensor: the residual is built in it
         u = u_draw.gather(1, n[:, None])[:, 0]
@@ -245,10 +258,7 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
         return _result(c, n, y, lambda: _expected(c, target, n))
     # block
     a, p, w, h = _block_terms(c, target, p_x)
-    pos = torch.arange(K + 1, device=dev)
-    eta = draw(STREAM_ACCEPT, K + 1)
-    take = (eta < h) | (pos == 0)
-    tau = torch.where(take, pos, 0).amax(1)
+    tau = block_tau(h, draw(STREAM_ACCEPT, K + 1))
     bonus = p[batch, tau]
     stop = bonus
     if K:
