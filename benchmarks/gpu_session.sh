@@ -18,6 +18,8 @@
 #                                               #   top-k module's baselines only if it is built by then)
 #   bash benchmarks/gpu_session.sh flashinfer bench   # chains, sampling and trees with FlashInfer's baselines
 #   bash benchmarks/gpu_session.sh exact        # the exactness Monte Carlo against the kernels, full size
+#   bash benchmarks/gpu_session.sh parallel     # the vocab-parallel ops, both strategies, NCCL at world size 1
+#                                               #   (benchmarks/parallel.py; $PARALLEL_ARGS replace its arguments)
 #   SETTINGS="A=1 B=2;A=3" bash ... tune        # gpu.py's shapes under each setting of the kernels' environment
 #                                               #   variables, side by side
 # $GPU_ARGS go to benchmarks/gpu.py in latency, bench and tune (bench's default: --chain-vocab 128256); e.g.
@@ -26,7 +28,7 @@
 # Triton's cache is the git-ignored .triton-cache/, which a warm machine keeps for the next call (start it within
 # the machine's 30 s of warmth): a later phase then compiles nothing an earlier one compiled.
 set -uo pipefail
-[ $# -gt 0 ] || { echo "phases: warmup tests demo latency flashinfer bench exact tune (check = the first four)" >&2
+[ $# -gt 0 ] || { echo "phases: warmup tests demo latency flashinfer bench exact tune parallel (check = the first four)" >&2
                   exit 2; }
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -140,6 +142,11 @@ SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE
         files+=("$OUT/tune-$i.json")
       done
       python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/tune-compare.txt" | tee -a "$log" ;;
+    parallel)  # the shard path's PyTorch ops on CUDA tensors (float64 masses included) against gathering, one GPU
+      # shellcheck disable=SC2086
+      step "${PARALLEL_LIMIT:-150}" parallel python3 benchmarks/parallel.py \
+        ${PARALLEL_ARGS:---device cuda --worlds 1 --B 32 --K 8 --V 128256} --out "$OUT/gpu-parallel.json"
+      tail -n 14 "$OUT/parallel.log" | tee -a "$log" ;;
     check) bash "$0" warmup tests demo latency ;;
     measure) TESTS_LIMIT=150 LATENCY_LIMIT=120 BENCH_LIMIT=260 bash "$0" flashinfer latency bench tests ;;
     *) echo "unknown phase: $phase" >&2; exit 2 ;;

@@ -109,10 +109,11 @@ def test_the_gpu_script_runs_its_smoke_test_and_compares_runs(tmp_path):
         assert [r["shape"]["method"] for r in json.loads(out.read_text())] == methods
 
 
-def test_the_gpu_session_script_runs_its_bench_and_tune_phases_on_the_cpu(tmp_path):
+def test_the_gpu_session_script_runs_its_bench_tune_and_parallel_phases_on_the_cpu(tmp_path):
     """benchmarks/gpu_session.sh (the command of a GPU session's device calls) with ``GPU_ARGS=--quick`` on the
-    CPU, a stand-in ``nvidia-smi`` on the PATH: the bench phase, its JSON and its line in the session log, and
-    tune's runs under two settings, compared side by side."""
+    CPU, a stand-in ``nvidia-smi`` on the PATH: the bench phase, its JSON and its line in the session log,
+    tune's runs under two settings, compared side by side, and the vocab-parallel benchmark (gloo here, NCCL on
+    one GPU there) with its rounds."""
     import os
     import subprocess
     import sys
@@ -130,8 +131,9 @@ def test_the_gpu_session_script_runs_its_bench_and_tune_phases_on_the_cpu(tmp_pa
     # the script's python3: this environment's (its bin folder, where a venv's python3 finds the venv)
     env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env['PATH']}", TRITON_CACHE_DIR=str(tmp_path / "cache"),
                GPU_ARGS="--quick --device cpu --reps 1 --inner 1",
-               SETTINGS="SPECSAMPLER_PIPELINE_STAGES=1;SPECSAMPLER_PIPELINE_STAGES=4")
-    for phase in ("bench", "tune"):
+               SETTINGS="SPECSAMPLER_PIPELINE_STAGES=1;SPECSAMPLER_PIPELINE_STAGES=4",
+               PARALLEL_ARGS="--device cpu --worlds 2 --B 2 --K 2 --V 1000 --reps 1")
+    for phase in ("bench", "tune", "parallel"):
         done = subprocess.run(["bash", "benchmarks/gpu_session.sh", phase], cwd=work, timeout=600,
                               env={**env, "OUT": str(tmp_path / phase)}, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -146,6 +148,10 @@ def test_the_gpu_session_script_runs_its_bench_and_tune_phases_on_the_cpu(tmp_pa
     assert {r["op"] for r in tuned} >= {"chain_verify_from_logits", "sample_from_logits", "tree_verify_from_logits"}
     assert "stages=1 per_sm=2" in compared and "stages=4 per_sm=2" in compared
     assert compared.count("\n") == 1 + len(tuned)  # a header, then each record under both settings
+    parallel_runs = json.loads((tmp_path / "parallel" / "gpu-parallel.json").read_text())
+    shards = {r["op"]: r["shard"]["rounds"] for r in parallel_runs}
+    assert shards["verify_tree_from_logits rrs iid, top-k 50 + top-p 0.9"] == 2
+    assert shards["verify_chain_from_logits greedy"] == 1
 
 
 def test_bench_generate_reports_wall_forward_and_library_time_per_method(tmp_path, capsys):
