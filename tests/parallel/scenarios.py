@@ -153,12 +153,21 @@ def _draft_probs(g: torch.Generator, *lead: int) -> torch.Tensor:
     return q * (torch.rand(*lead, V, generator=g) < 0.8)  # some zeros (truncated drafts), unnormalised rows
 
 
+def _top_k_params(g: torch.Generator, B: int) -> ss.SamplingParams:
+    """Every row a top-k row (with top-p in some) or greedy: rows every rank holds whole after the processing."""
+    kind = torch.arange(B) % 3
+    temperature = torch.where(kind == 0, 0.0, torch.empty(B).uniform_(0.5, 1.5, generator=g))
+    top_p = torch.where(kind == 2, torch.empty(B).uniform_(0.3, 0.95, generator=g), 1.0)
+    return ss.SamplingParams(temperature=temperature, top_k=torch.randint(1, 7, (B,), generator=g), top_p=top_p)
+
+
 def sampled_chain(shard, g):
-    """Every chain method with mixed parameters, masks per position and ragged drafts."""
+    """Every chain method with mixed parameters (then top-k and greedy rows only), masks per position and ragged
+    drafts."""
     out = []
-    for _ in range(2):
+    for params_of in (_params, _params, _top_k_params):
         B, K = 10, 4
-        logits, mask, params, rng = _sampled_logits(g, B, K + 1), _mask(g, B, K + 1), _params(g, B), _philox(g, B)
+        logits, mask, params, rng = _sampled_logits(g, B, K + 1), _mask(g, B, K + 1), params_of(g, B), _philox(g, B)
         q = _draft_probs(g, B, K)
         drafts = torch.multinomial(q.view(-1, V) + 1e-9, 1, generator=g).view(B, K)
         drafts[0, 1] = V + 2  # out of range: never accepted
@@ -177,7 +186,8 @@ def sampled_chain(shard, g):
 
 
 def sampled_tree(shard, g):
-    """rrs and traversal (iid, without replacement), target_only and greedy on trees of mixed shapes."""
+    """rrs and traversal (iid, without replacement), target_only and greedy on trees of mixed shapes, with mixed
+    parameters, then top-k and greedy rows only."""
     out = []
     B, N = 8, 8
     parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])
@@ -187,8 +197,12 @@ def sampled_tree(shard, g):
     logits, mask, params, rng = _sampled_logits(g, B, N), _mask(g, B, N), _params(g, B), _philox(g, B)
     q = _draft_probs(g, B, N)
     drafts = torch.multinomial(q.view(-1, V) + 1e-9, 1, generator=g).view(B, N)
-    for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
-                             ("traversal", "without_replacement"), ("target_only", "iid"), ("greedy", "iid")):
+    runs = [(m, s, params) for m, s in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
+                                        ("traversal", "without_replacement"), ("target_only", "iid"),
+                                        ("greedy", "iid"))]
+    top_k = _top_k_params(g, B)
+    runs += [(m, "iid", top_k) for m in ("rrs", "traversal")]
+    for method, sampling, params in runs:
         dp = q if method in ("rrs", "traversal") else None
         res, calls = _counted(parallel.verify_tree_from_logits, _cut(logits, shard), drafts, tree_, params,
                               draft_probs=None if dp is None else _cut(dp, shard), method=method,
