@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from ..params import RowParams
-from ..sampling.masses import as_weight, divide_by, has_mass, row_mass, sample_by_inversion
+from ..sampling.distributions import Part
+from ..sampling.masses import as_weight, divide_by, has_mass, row_mass
 from ..verify.chain import (
     ChainInputs,
     ChainResult,
@@ -98,7 +99,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, u_draw: Tensor
     if c.method == "token":
         n = token_accepted(c, u_accept[:, 1:], p_x, q_x)
         stop = batch * (K + 1) + n
-        w, ids = _held_rows(target, stop), target.part.ids[_held_index(target, stop)]
+        w, ids = _held(target, stop)
         rejected = n < c.num_drafts
         if K and bool(rejected.any()):  # the residual max(p - q, 0) where a draft was rejected
             q = yield from _q_at(c.q.flatten(0, 1), batch * K + n.clamp(max=K - 1), ids, shard)
@@ -110,20 +111,21 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, u_draw: Tensor
     if not K:
         return None
     drafted = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)
-    ids = target.part.ids[_held_index(target, drafted)]
+    p, ids = _held(target, drafted)
     q = yield from _q_at(c.q.flatten(0, 1), torch.arange(B * K, device=dev), ids, shard)
     if q is None:
         return None
     a = block_a(c.usable, p_x, q_x)
-    w = (a[:, :K].reshape(-1, 1) * _held_rows(target, drafted) - q).clamp_(min=0.0)
+    w = (a[:, :K].reshape(-1, 1) * p - q).clamp_(min=0.0)
     mass = row_mass(w)
     h = block_h(c, a, as_weight(mass).view(B, K))
     tau = block_tau(h, u_accept)
     bonus = batch * (K + 1) + tau
     at = batch * K + tau.clamp(max=K - 1)
     residual = ((tau < c.num_drafts) & (mass[at] > 0))[:, None]  # the residual w_tau, else the bonus row p_tau
-    stop = torch.where(residual, w[at], _held_rows(target, bonus))
-    ids = torch.where(residual, ids[at], target.part.ids[_held_index(target, bonus)])
+    p_bonus, ids_bonus = _held(target, bonus)
+    stop = torch.where(residual, w[at], p_bonus)
+    ids = torch.where(residual, ids[at], ids_bonus)
     return _result(c, tau, _held_draw(stop, ids, u_draw.gather(1, tau[:, None])[:, 0]), lambda: _block_expected(h))
 
 
@@ -168,17 +170,16 @@ class _Compact:
     def __init__(self, ids: Tensor, q: Tensor):
         self.ids, self.q = ids, q
 
-    @staticmethod
-    def value(w: Tensor, ids: Tensor, x: Tensor) -> Tensor:
-        """float32 ``[a]``: rows ``w`` ``[a, C]`` over candidates ``ids`` at global ids ``x`` ``[a]`` (0 where absent,
-        or -1)."""
-        return torch.where(ids == x[:, None], w, 0.0).sum(-1)
+    def value(self, w: Tensor, act: Tensor, x: Tensor) -> Tensor:
+        """float32 ``[a]``: rows ``w`` ``[a, C]`` over the candidates of nodes ``act`` at global ids ``x`` ``[a]`` (0
+        where absent, or -1)."""
+        return Part(None, self.ids[act], w).prob(x)
 
 
 def _candidates(c, nodes: _Nodes, target, shard: VocabShard) -> Task[_Compact | None]:
     """:class:`_Compact` for the walk, in one round (:func:`_q_at`), or None."""
     b, kids = nodes.b, nodes.kids
-    ids = target.part.ids[_held_index(target, nodes.row(b, nodes.v))]  # [s, C]
+    ids = _held(target, nodes.row(b, nodes.v))[1]  # [s, C]
     s, C = ids.shape
     if not s:  # no node has children: nothing to read (every draw is at a root)
         return _Compact(ids, torch.zeros(0, kids.shape[1], C, device=ids.device))
@@ -203,10 +204,10 @@ def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tenso
 
 def _held_draw(w: Tensor, ids: Tensor, u: Tensor) -> Tensor:
     """The one-device draw over whole rows, from rows ``w`` ``[n, C]`` over candidates ``ids`` (increasing; 0
-    elsewhere): inversion in id order over exact masses (the zeros between candidates change no prefix sum), 0 for a
-    row without mass. Global ids int64 ``[n]``."""
-    col = sample_by_inversion(w, u)
-    return torch.where(has_mass(w), ids.gather(1, col[:, None])[:, 0], 0)
+    elsewhere): the candidates' draw (:meth:`Part.sample`: inversion in id order over exact masses, which the zeros
+    between candidates do not change), and 0 for a row without mass, as over the whole row. Global ids int64
+    ``[n]``."""
+    return torch.where(has_mass(w), Part(None, ids, w).sample(u), 0)
 
 
 class _Drawn:
@@ -271,14 +272,15 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
     wo = c.sampling == "without_replacement"
     b, kids = nodes.b, nodes.kids
     # each node's current residual, updated in place: over its candidates with ``compact``, else its shard's columns
-    r = _held_rows(target, nodes.row(b, nodes.v)) if compact is not None else target.probs[nodes.row(b, nodes.v)]
+    r = _held(target, nodes.row(b, nodes.v))[0] if compact is not None else target.probs[nodes.row(b, nodes.v)]
     lo, hi = target.lo[:, nodes.row(b, nodes.v)], target.hi[:, nodes.row(b, nodes.v)]
     q_state = c.q[b, kids[:, 0]] if wo else None  # without replacement: the siblings' shared q
     test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
     test_r[b, kids[:, 0]] = target.read
     test_q = q_at.clone()
+    tests = lambda: c.usable & (u_accept * test_q < test_r)  # noqa: E731  (each child's, once its values are set)
     for k in range(kids.shape[1]):
-        if _rrs_settled(c, nodes, c.usable & (u_accept * test_q < test_r), k):
+        if _rrs_settled(c, nodes, tests(), k):
             break  # no request's walk reads a later residual: the rounds end here, on every rank alike
         act = (kids[:, k] >= 0).nonzero()[:, 0]
         if not act.numel():  # no node has children
@@ -290,7 +292,7 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
             q = compact.q[act, k]
             residual = (r[act] - q).clamp_(min=0.0)
             total = row_mass(residual)
-            r_n, q_n = (compact.value(t, compact.ids[act], x_n) for t in (r[act], q))
+            r_n, q_n = (compact.value(t, act, x_n) for t in (r[act], q))
         else:
             q = q_state[act] if wo else c.q[ba, ck]
             residual = (r[act] - q).clamp_(min=0.0)
@@ -306,8 +308,7 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
         test_r[ba[more], nxt[more]] = torch.where(total > 0, divide_by((r_n - q_n).clamp(min=0.0), total), r_n)[more]
         if wo:
             test_q[ba[more], nxt[more]] = divide_by(torch.where(x_n == x_k, 0.0, q_n), q_mass)[more]
-    ok = c.usable & (u_accept * test_q < test_r)
-    path, n, stop = _walk_down(c, ok)
+    path, n, stop = _walk_down(c, tests())
     y = _draw_held(stop, nodes, target, r, compact, u_draw) if compact is not None else (
         yield from _draw_at(stop, nodes, target, r, lo, hi, u_draw, shard))
     return path, n, y
@@ -318,16 +319,13 @@ def _all_held(target, R: int) -> bool:
     return target.part is not None and target.part.ids is not None and target.part_rows.numel() == R
 
 
-def _held_index(target, rows: Tensor) -> Tensor:
-    """int64 ``[n]``: the processed rows ``rows`` as rows of :attr:`.rows.Rows.part`, which holds every row."""
+def _held(target, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The processed rows ``rows`` at their candidates, as every rank holds them (:attr:`.rows.Rows.part`, which holds
+    every row): probabilities float32 ``[n, C]`` and ids int64 ``[n, C]``."""
     at = torch.empty_like(target.part_rows)
     at[target.part_rows] = torch.arange(target.part_rows.numel(), device=at.device)
-    return at[rows]
-
-
-def _held_rows(target, rows: Tensor) -> Tensor:
-    """float32 ``[n, C]``: the processed rows ``rows`` at their candidates, as every rank holds them."""
-    return target.part.probs[_held_index(target, rows)]
+    at = at[rows]
+    return target.part.probs[at], target.part.ids[at]
 
 
 def _rrs_settled(c, nodes: _Nodes, ok: Tensor, k: int) -> bool:
@@ -362,7 +360,7 @@ def _draw_held(node: Tensor, nodes: _Nodes, target, residual: Tensor, compact: _
     :func:`_held_draw`. Global ids ``[B]``."""
     batch = torch.arange(node.numel(), device=node.device)
     slot, row = nodes.slot[batch, node], nodes.row(batch, node)
-    w, ids = _held_rows(target, row), target.part.ids[_held_index(target, row)]
+    w, ids = _held(target, row)
     if residual.shape[0]:  # else no node has children: every draw is at a leaf
         inner, at = slot >= 0, slot.clamp(min=0)
         w = torch.where(inner[:, None], residual[at], w)
@@ -442,7 +440,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
     rows = nodes.row(b, v)
     mb, lo, hi = target.probs[rows], target.lo[:, rows], target.hi[:, rows]
     if compact is not None:  # each node's Mb over its candidates (see _Compact)
-        mb = _held_rows(target, rows)
+        mb = _held(target, rows)[0]
     ms = c.q[b, kids[:, 0]] if wo else None  # all children of a node share its q
     a = torch.zeros(B, N, device=dev)
     done = torch.full((B, N), -1, dtype=torch.int64, device=dev)  # children deleted so far; -1: not pushed
@@ -466,9 +464,10 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
     post = _post_order(t)
     children = torch.zeros_like(done)
     children[b, v] = m
+    passed = lambda: (t.depth == 0) | ((t.depth > 0) & (u_accept < a))  # noqa: E731  (the root always passes)
     while True:
         # a node's test is final once every child of it is deleted (a leaf's once pushed)
-        if _traversal_settled(t, post, done == children, (t.depth == 0) | ((t.depth > 0) & (u_accept < a))):
+        if _traversal_settled(t, post, done == children, passed()):
             break  # no request's walk reads a later state: the rounds end here, on every rank alike
         j = done[b, v]
         act = ((j >= 0) & (j < m)).nonzero()[:, 0]
@@ -482,7 +481,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
         if compact is not None:
             w = (a_u[:, None] * mb[act] - compact.q[act, j]).clamp_(min=0.0)
             total = row_mass(w)
-            w_n, mb_n = (compact.value(t, compact.ids[act], x_n) for t in (w, mb[act]))
+            w_n, mb_n = (compact.value(t, act, x_n) for t in (w, mb[act]))
         else:
             q = ms[act] if wo else c.q[ba, ck]
             w = (a_u[:, None] * mb[act] - q).clamp_(min=0.0)
@@ -504,9 +503,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
         if wo:
             q_x[ba[more], nxt[more]] = divide_by(torch.where(x_n == x_k, 0.0, ms_n), q_mass)[more]
         descend(ba[more], nxt[more])
-    # the first node in post-order whose test passes (the root always does)
-    passed = (t.depth == 0) | ((t.depth > 0) & (u_accept < a))
-    leaf = torch.where(passed, post, N * N).argmin(-1)
+    leaf = torch.where(passed(), post, N * N).argmin(-1)  # the first node in post-order whose test passes
     y = _draw_held(leaf, nodes, target, mb, compact, u_draw) if compact is not None else (
         yield from _draw_at(leaf, nodes, target, mb, lo, hi, u_draw, shard))
     batch = torch.arange(B, device=dev)
