@@ -164,10 +164,10 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
         rounds, dense = _process(rp, V, torch.zeros(int(present.sum()), dtype=torch.int64))
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
     rounds, _ = _process(rp, V, (children > 0).long().reshape(-1)[present])
-    rounds[0] += _b(int((depth > 0).sum()), 4)
+    kids = int((depth > 0).sum())
+    rounds[0] += _b(kids, 4)
     C = _held_width(rp, V, world)
     if sampling == "iid" and C:  # walks._Compact: one round, then every rank alone
-        kids = int((depth > 0).sum())
         return _rounds(rounds + ([_b(kids * C, 4) + _b(1, 1)] if kids else [])), gather
     wo = sampling == "without_replacement"
     active = _active_per_round(method, tree, children)
