@@ -5,12 +5,14 @@ The ops run with ``strategy="shard"`` unless a scenario is about the strategies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 import specsampler as ss
 from specsampler import parallel
+from specsampler.parallel import walks
 
 V = 37  # shards: even (ceil(V / world) per rank, the last fewer) and the uneven ones of SPLITS
 
@@ -47,6 +49,17 @@ def _drafts(g: torch.Generator, best: torch.Tensor) -> torch.Tensor:
 
 def _cut(t: torch.Tensor, shard: parallel.VocabShard) -> torch.Tensor:
     return t[..., shard.start:shard.end].contiguous()
+
+
+@contextlib.contextmanager
+def _held_width(width: int):
+    """Trees' walks gather rows of at most ``width`` nonzero probabilities a rank (-1: never, the walks over the
+    shards' columns, as for rows wider than walks.HELD_WIDTH; at V = 37 every row is narrower)."""
+    old, walks.HELD_WIDTH = walks.HELD_WIDTH, width
+    try:
+        yield
+    finally:
+        walks.HELD_WIDTH = old
 
 
 def _counted(op, *args, **kwargs):
@@ -202,16 +215,18 @@ def sampled_tree(shard, g):
                                         ("greedy", "iid"))]
     top_k = _top_k_params(g, B)
     runs += [(m, "iid", top_k) for m in ("rrs", "traversal")]
-    for method, sampling, params in runs:
-        dp = q if method in ("rrs", "traversal") else None
-        res, calls = _counted(parallel.verify_tree_from_logits, _cut(logits, shard), drafts, tree_, params,
-                              draft_probs=None if dp is None else _cut(dp, shard), method=method,
-                              draft_sampling=sampling, rng=rng, vocab_mask=_cut(mask, shard), shard=shard)
-        ref = ss.verify_tree_from_logits(logits, drafts, tree_, params, draft_probs=dp, method=method,
-                                         draft_sampling=sampling, rng=rng, vocab_mask=mask)
-        fields = ("path", "tokens", "num_accepted", "last_node")
-        out.append([f"{method}/{sampling}", [getattr(res, f).tolist() for f in fields],
-                    [getattr(ref, f).tolist() for f in fields], calls])
+    for width in (walks.HELD_WIDTH, -1):  # the rows gathered whole (every row here is narrow), and on the shards
+        for method, sampling, params in runs:
+            dp = q if method in ("rrs", "traversal") else None
+            with _held_width(width):
+                res, calls = _counted(parallel.verify_tree_from_logits, _cut(logits, shard), drafts, tree_, params,
+                                      draft_probs=None if dp is None else _cut(dp, shard), method=method,
+                                      draft_sampling=sampling, rng=rng, vocab_mask=_cut(mask, shard), shard=shard)
+            ref = ss.verify_tree_from_logits(logits, drafts, tree_, params, draft_probs=dp, method=method,
+                                             draft_sampling=sampling, rng=rng, vocab_mask=mask)
+            fields = ("path", "tokens", "num_accepted", "last_node")
+            out.append([f"{method}/{sampling} held width {width}", [getattr(res, f).tolist() for f in fields],
+                        [getattr(ref, f).tolist() for f in fields], calls])
     return out
 
 
@@ -219,11 +234,11 @@ def comms_independent_of_v(shard, g):
     """Rounds and bytes of each op at two vocabulary sizes (the shard's V and 64x it, split alike), on inputs
     whose decisions are the same at both: one token (id 0) far above the others, drafted and accepted."""
     out = []
-    for scale in (1, 64):
+    for scale, rest in ((1, 0.0), (64, 0.0), (1, float("-inf")), (64, float("-inf"))):
         s = parallel.VocabShard(shard.start * scale, shard.size * scale, V * scale, shard.group)
 
-        def one_hot(*lead, value, s=s):
-            t = torch.zeros(*lead, s.size)
+        def one_hot(*lead, value, s=s, rest=rest):
+            t = torch.full((*lead, s.size), rest if value == 30.0 else 0.0)
             if s.start == 0 and s.size:
                 t[..., 0] = value
             return t
@@ -242,8 +257,10 @@ def comms_independent_of_v(shard, g):
                                     method=method, rng=rng, shard=s))
             for method in ("rrs", "traversal", "target_only"):
                 dp = one_hot(4, 3, value=1.0) if method != "target_only" else None
-                ops.append(_counted(parallel.verify_tree_from_logits, x, drafts, tree_, params, draft_probs=dp,
-                                    method=method, rng=rng, shard=s))
+                # rows of zeros (every token weighs something: more than HELD_WIDTH at 64x) walk on the shards' columns
+                with _held_width(-1 if rest == 0.0 else walks.HELD_WIDTH):
+                    ops.append(_counted(parallel.verify_tree_from_logits, x, drafts, tree_, params, draft_probs=dp,
+                                        method=method, rng=rng, shard=s))
         out.append([[res_calls[1] for res_calls in ops], [_outcome(r) for r, _ in ops]])
     return out
 
@@ -290,18 +307,20 @@ def monte_carlo() -> dict:
     shape = (2, 2)
     D = len(shape)
     P = ex.Table(target, Vs, D)
-    for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
-                             ("traversal", "without_replacement")):
+    for method, sampling, width in (("rrs", "iid", -1), ("rrs", "iid", walks.HELD_WIDTH),
+                                    ("rrs", "without_replacement", -1), ("traversal", "iid", -1),
+                                    ("traversal", "iid", walks.HELD_WIDTH), ("traversal", "without_replacement", -1)):
         drafter = draft if sampling == "iid" else ex.random_model(Vs, 1003)  # as many tokens as children
         Q = ex.Table(drafter, Vs, D - 1)
         p, x, q, tree_ = ex.tree_inputs(P, Q, shape, trials, sampling, gen)
-        res = parallel.verify_tree_from_logits(p.log()[..., s.start:s.end].contiguous(), x, tree_,
-                                               draft_probs=q[..., s.start:s.end].contiguous(), method=method,
-                                               draft_sampling=sampling, rng=ss.Philox(torch.arange(trials) + 7),
-                                               shard=s, strategy="shard")
+        with _held_width(width):  # the walks on the shards' columns, and over the rows held whole
+            res = parallel.verify_tree_from_logits(p.log()[..., s.start:s.end].contiguous(), x, tree_,
+                                                   draft_probs=q[..., s.start:s.end].contiguous(), method=method,
+                                                   draft_sampling=sampling, rng=ss.Philox(torch.arange(trials) + 7),
+                                                   shard=s, strategy="shard")
         exact = oracle.tree(target, drafter, shape, method, Vs, draft_sampling=sampling)
         p_emitted, impossible = ex.chi_square(ex.encode(res.tokens, Vs), ex.encode_dist(exact.sequences, D + 1, Vs))
-        out[f"tree/{method}/{sampling}"] = [p_emitted, impossible]
+        out[f"tree/{method}/{sampling}/held width {width}"] = [p_emitted, impossible]
     return out
 
 
@@ -373,9 +392,10 @@ def rounds(shard, g):
             for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
                                      ("traversal", "without_replacement"), ("target_only", "iid")):
                 dp = qt if method != "target_only" else None
-                res, calls = _counted(parallel.verify_tree_from_logits, _cut(xt, shard), dt, tree_, params,
-                                      draft_probs=None if dp is None else _cut(dp, shard), method=method,
-                                      draft_sampling=sampling, rng=rng, shard=shard)
+                with _held_width(-1):  # the walks over the shards' columns (the most rounds); held rows: nuclei()
+                    res, calls = _counted(parallel.verify_tree_from_logits, _cut(xt, shard), dt, tree_, params,
+                                          draft_probs=None if dp is None else _cut(dp, shard), method=method,
+                                          draft_sampling=sampling, rng=rng, shard=shard)
                 ref = ss.verify_tree_from_logits(xt, dt, tree_, params, draft_probs=dp, method=method,
                                                  draft_sampling=sampling, rng=rng)
                 plan = cost.tree_plan(method, sampling, False, rp, tree_, _cut(xt, shard),
@@ -404,9 +424,10 @@ def settled(shard, g):
             rng = _philox(g, B)
             for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
                                      ("traversal", "without_replacement")):
-                res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
-                                      draft_probs=_cut(q, shard), method=method, draft_sampling=sampling, rng=rng,
-                                      shard=shard)
+                with _held_width(-1):  # the walks over the shards' columns, whose residual rounds end early
+                    res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
+                                          draft_probs=_cut(q, shard), method=method, draft_sampling=sampling,
+                                          rng=rng, shard=shard)
                 ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=q, method=method,
                                                  draft_sampling=sampling, rng=rng)
                 same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
@@ -463,6 +484,40 @@ def compact(shard, g):
                 ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
                 name = f"chain {method} {'accepted' if accepted else 'rejected'} q {bad}"
                 out.append([name, "top-k", _outcome(res) == _outcome(ref), len(calls)])
+    return out
+
+
+def nuclei(shard, g):
+    """Rows of few nonzero probabilities a rank (peaked top-p, min-p, both, temperature over V = 37, the mixed
+    parameters) with i.i.d. drafts from other distributions (rejections), on a root of eight children and wider and
+    deeper trees: rrs and traversal with every row gathered whole in one round after the processing; with a draft
+    probability below 0 or NaN somewhere (the walk on the shards' columns after that round); with rows wider than
+    the width gathered (here: a width of 2; no round for it). Whether each equals the one-device op, and its
+    collectives."""
+    B = 6
+    out = []
+    for shape in ([-1] + [0] * 8, WIDE, BINARY):
+        tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
+        N = len(shape)
+        x = torch.randn(B, N, V, generator=g) * 4  # peaked: nuclei of a few tokens
+        # each child drafted half from its parent's target row, half at random: acceptances and rejections
+        parent = torch.tensor(shape).clamp(min=0)
+        q = (torch.softmax(x[:, parent], -1) + torch.softmax(torch.randn(B, N, V, generator=g), -1)) / 2
+        drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+        for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
+            params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
+            for case, width, qb in (("held", walks.HELD_WIDTH, q), ("q below 0", walks.HELD_WIDTH, q.clone()),
+                                    ("q NaN", walks.HELD_WIDTH, q.clone()), ("wider", 2, q)):
+                if case != "held" and case != "wider":
+                    qb[:, 1:, _OUTSIDE] = -0.5 if case == "q below 0" else float("nan")
+                rng = _philox(g, B)
+                for method in ("rrs", "traversal"):
+                    with _held_width(width):
+                        res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
+                                              draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+                    ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
+                    same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
+                    out.append([f"{method} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist()])
     return out
 
 
@@ -610,5 +665,5 @@ def strategies(shard, g):
 
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
              "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
-             "rounds": rounds, "settled": settled, "compact": compact, "wide": wide, "wide auto": wide_auto,
-             "fallbacks": fallbacks, "strategies": strategies}
+             "rounds": rounds, "settled": settled, "compact": compact, "nuclei": nuclei, "wide": wide,
+             "wide auto": wide_auto, "fallbacks": fallbacks, "strategies": strategies}

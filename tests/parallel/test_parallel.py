@@ -132,10 +132,13 @@ def test_every_collective_sends_at_most_a_kibibyte_per_row(ranks):
 
 
 def test_rounds_and_bytes_do_not_grow_with_the_vocabulary(ranks):
-    (small, small_out), (large, large_out) = ranks[0]["comms"]
-    assert small == large
-    assert small_out == large_out  # the same decisions at both sizes: the comparison is of like with like
-    assert len(small[0]) == 1  # greedy sampling (with two log-probabilities: its candidates), one round
+    """At V and 64 V: rows of zeros but one token (the trees' walks on the shards' columns), and rows of -inf but one
+    (every row held whole by the trees' walks: one nonzero probability a row at both sizes)."""
+    comms = ranks[0]["comms"]
+    for (small, small_out), (large, large_out) in (comms[:2], comms[2:]):
+        assert small == large
+        assert small_out == large_out  # the same decisions at both sizes: the comparison is of like with like
+        assert len(small[0]) == 1  # greedy sampling (with two log-probabilities: its candidates), one round
 
 
 def test_errors_are_raised_on_every_rank_and_none_waits(ranks):
@@ -211,6 +214,22 @@ def test_top_k_rows_verify_any_tree_or_chain_in_two_rounds(ranks):
             assert n == 1, (name, n)
         else:
             assert (n == 2) if name.endswith("q None") else (n > 2), (name, kind, n)
+
+
+def test_rows_of_few_probabilities_verify_any_tree_in_one_round_after_the_processing(ranks):
+    """Rows holding at most walks.HELD_WIDTH nonzero probabilities on every rank (small nuclei, min-p, a short
+    vocabulary) and i.i.d. drafts: one round gathers every row's entries and each child's q there, then rrs and
+    traversal walk and draw on each rank alone (a root of eight children took up to 11 rounds); a draft probability
+    below 0 or NaN (a residual mass outside the entries) keeps the shard walk's rounds, after that one; rows wider
+    than the width gathered take no such round. The one-device op's tokens in every case."""
+    for name, kind, same, n, _ in _same_on_every_rank(ranks, "nuclei"):
+        assert same, (name, kind)
+        P = _processing_rounds(kind)
+        if name.endswith("held"):
+            assert n <= P + 1, (name, kind, n)
+        else:
+            assert n > P + 1, (name, kind, n)
+    assert any(a > 0 for *_, accepted in ranks[0]["nuclei"] for a in accepted)  # walks past the root too
 
 
 def test_the_cost_model_plans_the_rounds_and_bytes_the_shard_path_sends(ranks):

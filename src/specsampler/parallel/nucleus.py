@@ -87,7 +87,7 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     kept_x = torch.where(cut.min_p[row], (key_x >= MIN_KEY) & (w_x >= thr[row]), kept_x)
     lo, hi = normalised_bounds(cut.mass, cut.count, total)
     return Rows(divide_by_(torch.where(keep, w, 0.0), total[:, None]), lo, hi,
-                divide_by_(torch.where(kept_x, w_x, 0.0), total[row]), None, None, cut.layout)
+                divide_by_(torch.where(kept_x, w_x, 0.0), total[row]), None, None, cut.layout, cut.count)
 
 
 def _over(w: Tensor, key: Tensor, m: Tensor, thr: Tensor, rp: RowParams) -> list[Tensor]:

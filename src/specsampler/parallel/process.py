@@ -68,10 +68,11 @@ def process(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     world = results[0].lo.shape[0] if results else 1
     out = Rows(torch.zeros(R, size, device=dev), *(torch.zeros(world, R, dtype=torch.float64, device=dev),) * 2,
                torch.zeros(row.shape, device=dev), None, torch.zeros(0, dtype=torch.int64, device=dev),
-               results[0].layout if results else None)
+               results[0].layout if results else None, torch.zeros(world, R, dtype=torch.int64, device=dev))
     out.hi = out.hi.clone()
     for res, (rows, mine) in zip(results, groups):
         out.probs[rows], out.lo[:, rows], out.hi[:, rows], out.read[mine] = res.probs, res.lo, res.hi, res.read
+        out.count[:, rows] = res.count
         if res.part is not None:
             out.part, out.part_rows = res.part, rows
     return out
@@ -89,7 +90,8 @@ def _plain(x: Tensor, rp: RowParams, shard: VocabShard, reads) -> Task[Rows]:
     mass, count, at = got.parts
     total = mass.sum(0)
     lo, hi = normalised_bounds(mass, count, total)
-    return Rows(divide_by_(w, total[:, None]), lo, hi, divide_by_(at.sum(0), total[row]), None, None, got.layout)
+    return Rows(divide_by_(w, total[:, None]), lo, hi, divide_by_(at.sum(0), total[row]), None, None, got.layout,
+                count)
 
 
 def _bounded(x: Tensor, rp: RowParams, shard: VocabShard, reads, greedy: Tensor, min_candidates: int) -> Task[Rows]:
@@ -113,10 +115,12 @@ def _bounded(x: Tensor, rp: RowParams, shard: VocabShard, reads, greedy: Tensor,
     rank_of = got.layout.owner(part.ids)  # [r, C]
     world = got.layout.starts.numel()
     mass = torch.zeros(world, r, dtype=torch.float64, device=x.device)
-    mass.index_put_((rank_of.flatten(), torch.arange(r, device=x.device).repeat_interleave(part.ids.shape[1])),
-                    masses(part.probs).flatten(), accumulate=True)
+    at = (rank_of.flatten(), torch.arange(r, device=x.device).repeat_interleave(part.ids.shape[1]))
+    mass.index_put_(at, masses(part.probs).flatten(), accumulate=True)
+    count = torch.zeros(world, r, dtype=torch.int64, device=x.device).index_put_(
+        at, (part.probs != 0).flatten().long(), accumulate=True)
     read = Part(None, part.ids.index_select(0, row), part.probs.index_select(0, row)).prob(ids)
-    return Rows(probs, mass, mass, read, part, None, got.layout)
+    return Rows(probs, mass, mass, read, part, None, got.layout, count)
 
 
 def local_best(scores: Tensor, n: int, shard: VocabShard, pad_value: float) -> tuple[Tensor, Tensor]:

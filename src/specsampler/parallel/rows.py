@@ -19,7 +19,8 @@ class Rows:
     probs: float32 ``[R, shard.size]``, this rank's columns. lo, hi: float64 ``[world, R]``, bounds on each rank's
     exact mass of its columns (equal where known exactly). read: float32 ``[n]``, the probabilities at the ids asked
     for, on every rank. part, part_rows: the greedy and top-k rows (int64 ``[r]``) as the one-device op holds them
-    (candidates, global ids), replicated on every rank. layout: the shards.
+    (candidates, global ids), replicated on every rank. layout: the shards. count: int64 ``[world, R]``, at least
+    each rank's number of nonzero probabilities in each row (what a round of every rank's nonzero entries sends).
     """
 
     probs: Tensor
@@ -29,6 +30,7 @@ class Rows:
     part: Part | None
     part_rows: Tensor
     layout: Layout
+    count: Tensor
 
 
 def global_top(got_keys: Tensor, got_nan: Tensor) -> tuple[Tensor, Tensor]:

@@ -7,6 +7,8 @@ same rounds, every value a decision reads rides in a round already taken, and ea
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -29,6 +31,7 @@ from ..verify.walks import TreeInputs, _ratio, walk_draws
 from .draws import draw, exact_masses, local, mass_and_count, normalised_bounds, owned_values, read
 from .process import process, sample
 from .rounds import Task, together
+from .rows import Rows
 from .shard import VocabShard
 
 
@@ -154,8 +157,13 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     q_at = torch.zeros(c.B, c.N, device=x.device)
     q_at[child] = q_x
     walk = _rrs if c.method == "rrs" else _traversal
-    held = _all_held(target, present.numel()) and c.sampling == "iid"
-    compact = (yield from _candidates(c, nodes, target, shard)) if held else None
+    compact = None
+    if c.sampling == "iid" and _all_held(target, present.numel()):
+        compact = yield from _candidates(c, nodes, target, shard)
+    elif c.sampling == "iid":
+        gathered = yield from _gathered_candidates(c, nodes, target, shard)
+        if gathered is not None:
+            target, compact = gathered
     return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact))
 
 
@@ -190,6 +198,56 @@ def _candidates(c, nodes: _Nodes, target, shard: VocabShard) -> Task[_Compact | 
     q = torch.zeros(s, kids.shape[1], C, device=ids.device)
     q[at] = got
     return _Compact(ids, q)
+
+
+HELD_WIDTH = 64  # the most nonzero probabilities of a row on a rank that _gathered_candidates sends (under 1 KiB a row)
+
+
+def _gathered_candidates(c, nodes: _Nodes, target: Rows, shard: VocabShard) -> Task[tuple[Rows, _Compact] | None]:
+    """:class:`_Compact` for rows that are not all top-k rows but hold few nonzero probabilities on every rank (small
+    nuclei, min-p, top-k among them: at most :data:`HELD_WIDTH`, which every rank knows from ``target.count``): one
+    round gathers every row's nonzero entries from every rank, with each child's q at its parent's entries (the
+    rank holding an entry holds its q too) and whether any rank's q holds a value below 0 or NaN; then every row is
+    held whole on every rank, as a top-k row is. Returns the rows so held and the walk's candidates; None where a row
+    holds more (no round) or where a q is bad (after the round: the walk then takes its shard rounds)."""
+    R, dev = target.probs.shape[0], target.probs.device
+    W = int(target.count.max()) if target.count.numel() else 0
+    if not 0 < W <= HELD_WIDTH or not nodes.b.numel():  # too many (or no mass anywhere); or no node has children
+        return None
+    nz = target.probs != 0
+    n = nz.sum(-1)
+    b, col = nz.nonzero(as_tuple=True)  # in id order within a row
+    j = torch.arange(b.numel(), device=dev) - (n.cumsum(0) - n)[b]
+    fits = j < W  # always, as count bounds the nonzero entries (else the flag below falls back)
+    ids = torch.full((R, W), -1, dtype=torch.int32, device=dev)
+    probs = torch.zeros(R, W, device=dev)
+    ids[b[fits], j[fits]] = (col[fits] + shard.start).int()
+    probs[b[fits], j[fits]] = target.probs[b[fits], col[fits]]
+    rows = nodes.row(nodes.b, nodes.v)  # the rows of the nodes with children
+    at = (nodes.kids >= 0).nonzero(as_tuple=True)  # every child: (its parent's slot, its sibling rank)
+    parent = rows[at[0]]
+    q_rows = c.q.flatten(0, 1).index_select(0, nodes.b[at[0]] * c.N + nodes.kids[at])  # [a, size]
+    q = torch.zeros(parent.numel(), W, device=dev)
+    if shard.size:
+        cols = (ids[parent].long() - shard.start).clamp(min=0)
+        q = torch.where(ids[parent] >= 0, q_rows.gather(1, cols), 0.0)
+    bad = ~(q_rows >= 0).all() | ~fits.all()
+    got = yield [ids, probs, q, bad.to(dtype=torch.uint8)[None]]
+    if bool(got.parts[3].any()):
+        return None
+    V = shard.vocab_size
+    # every rank's entries of a row side by side, then in id order (the shards may be in any order), pads last
+    key, order = torch.where(got.parts[0] >= 0, got.parts[0].long(), V).permute(1, 0, 2).reshape(R, -1).sort(-1)
+    C = max(int((key < V).sum(-1).max()), 1)  # the most candidates of a row (pads: id 0 at probability 0)
+    key, order = key[:, :C], order[:, :C]
+    real = key < V
+    held_ids = torch.where(real, key, 0)
+    held = torch.where(real, got.parts[1].permute(1, 0, 2).reshape(R, -1).gather(1, order), 0.0)
+    q_held = torch.zeros(*nodes.kids.shape, C, device=dev)
+    q_held[at] = torch.where(real[parent], got.parts[2].permute(1, 0, 2).reshape(parent.numel(), -1).gather(
+        1, order[parent]), 0.0)
+    target = replace(target, part=Part(None, held_ids, held), part_rows=torch.arange(R, device=dev))
+    return target, _Compact(held_ids[rows], q_held)
 
 
 def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor | None]:
