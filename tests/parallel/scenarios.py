@@ -185,16 +185,19 @@ def sampled_chain(shard, g):
         drafts = torch.multinomial(q.view(-1, V) + 1e-9, 1, generator=g).view(B, K)
         drafts[0, 1] = V + 2  # out of range: never accepted
         num = torch.randint(0, K + 1, (B,), generator=g)
-        for method in ("token", "block", "target_only", "greedy"):
+        runs = [(m, walks.HELD_WIDTH) for m in ("token", "block", "target_only", "greedy")]
+        runs += [(m, -1) for m in ("token", "block")]  # every row here is narrow: also on the shards' columns
+        for method, width in runs:
             dp = q if method in ("token", "block") else None
-            res, calls = _counted(parallel.verify_chain_from_logits, _cut(logits, shard), drafts, params,
-                                  draft_probs=None if dp is None else _cut(dp, shard), num_drafts=num, method=method,
-                                  rng=rng, vocab_mask=_cut(mask, shard), shard=shard)
+            with _held_width(width):
+                res, calls = _counted(parallel.verify_chain_from_logits, _cut(logits, shard), drafts, params,
+                                      draft_probs=None if dp is None else _cut(dp, shard), num_drafts=num,
+                                      method=method, rng=rng, vocab_mask=_cut(mask, shard), shard=shard)
             ref = ss.verify_chain_from_logits(logits, drafts, params, draft_probs=dp, num_drafts=num, method=method,
                                               rng=rng, vocab_mask=mask)
             fields = ("tokens", "num_accepted", "expected_accepted")
-            out.append([method, [getattr(res, f).tolist() for f in fields], [getattr(ref, f).tolist() for f in fields],
-                        calls])
+            out.append([f"{method} held width {width}", [getattr(res, f).tolist() for f in fields],
+                        [getattr(ref, f).tolist() for f in fields], calls])
     return out
 
 
@@ -248,17 +251,17 @@ def comms_independent_of_v(shard, g):
         tree_ = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0]] * 4))
         drafts = torch.zeros(4, 3, dtype=torch.long)
         ops = []
-        for params in (ss.SamplingParams(temperature=0.0), ss.SamplingParams(top_p=0.9),
-                       ss.SamplingParams(top_k=3, top_p=0.9), ss.SamplingParams(min_p=0.2), ss.SamplingParams()):
-            ops.append(_counted(parallel.sample_from_logits, x[:, 0], params, rng, num_logprobs=2, shard=s))
-            for method in ("token", "block", "target_only"):
-                dp = q if method != "target_only" else None
-                ops.append(_counted(parallel.verify_chain_from_logits, x, drafts[:, :2], params, draft_probs=dp,
-                                    method=method, rng=rng, shard=s))
-            for method in ("rrs", "traversal", "target_only"):
-                dp = one_hot(4, 3, value=1.0) if method != "target_only" else None
-                # rows of zeros (every token weighs something: more than HELD_WIDTH at 64x) walk on the shards' columns
-                with _held_width(-1 if rest == 0.0 else walks.HELD_WIDTH):
+        # rows of zeros (every token weighs something: more than HELD_WIDTH a rank at 64x) verify on the shards' columns
+        with _held_width(-1 if rest == 0.0 else walks.HELD_WIDTH):
+            for params in (ss.SamplingParams(temperature=0.0), ss.SamplingParams(top_p=0.9),
+                           ss.SamplingParams(top_k=3, top_p=0.9), ss.SamplingParams(min_p=0.2), ss.SamplingParams()):
+                ops.append(_counted(parallel.sample_from_logits, x[:, 0], params, rng, num_logprobs=2, shard=s))
+                for method in ("token", "block", "target_only"):
+                    dp = q if method != "target_only" else None
+                    ops.append(_counted(parallel.verify_chain_from_logits, x, drafts[:, :2], params, draft_probs=dp,
+                                        method=method, rng=rng, shard=s))
+                for method in ("rrs", "traversal", "target_only"):
+                    dp = one_hot(4, 3, value=1.0) if method != "target_only" else None
                     ops.append(_counted(parallel.verify_tree_from_logits, x, drafts, tree_, params, draft_probs=dp,
                                         method=method, rng=rng, shard=s))
         out.append([[res_calls[1] for res_calls in ops], [_outcome(r) for r, _ in ops]])
@@ -295,15 +298,16 @@ def monte_carlo() -> dict:
     p, x, q = ex.chain_inputs(P, Q, K, trials, True, gen)
     logits = p.log()  # temperature 1: the processed target is p again (zeros masked by -inf)
     joint = oracle.target_joint(target, K + 1)
-    for method in ("token", "block"):
-        res = parallel.verify_chain_from_logits(logits[..., s.start:s.end].contiguous(), x, draft_probs=
-                                                q[..., s.start:s.end].contiguous(), method=method,
-                                                rng=ss.Philox(torch.arange(trials)), shard=s, strategy="shard")
+    for method, width in ((m, w) for m in ("token", "block") for w in (-1, walks.HELD_WIDTH)):
+        with _held_width(width):  # the residuals on the shards' columns, and over the rows held whole
+            res = parallel.verify_chain_from_logits(logits[..., s.start:s.end].contiguous(), x, draft_probs=
+                                                    q[..., s.start:s.end].contiguous(), method=method,
+                                                    rng=ss.Philox(torch.arange(trials)), shard=s, strategy="shard")
         exact = oracle.chain(target, draft, K, method, Vs)
         p_emitted, impossible = ex.chi_square(ex.encode(res.tokens, Vs), ex.encode_dist(exact.sequences, K + 1, Vs))
         p_joint, more = ex.chi_square(ex.encode(ex.continue_with(P, res.tokens, gen), Vs),
                                       ex.encode_dist(joint, K + 1, Vs))
-        out[f"chain/{method}"] = [p_emitted, p_joint, impossible + more]
+        out[f"chain/{method}/held width {width}"] = [p_emitted, p_joint, impossible + more]
     shape = (2, 2)
     D = len(shape)
     P = ex.Table(target, Vs, D)
@@ -374,9 +378,10 @@ def rounds(shard, g):
         rp = params.rows("", B, K + 1, x.device, False)
         for method in ("token", "block", "target_only"):
             dp = q if method != "target_only" else None
-            res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
-                                  draft_probs=None if dp is None else _cut(dp, shard), method=method, rng=rng,
-                                  vocab_mask=_cut(mask, shard), shard=shard)
+            with _held_width(-1):  # the residuals on the shards' columns (the most rounds); held rows: nuclei()
+                res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
+                                      draft_probs=None if dp is None else _cut(dp, shard), method=method, rng=rng,
+                                      vocab_mask=_cut(mask, shard), shard=shard)
             ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=dp, method=method, rng=rng,
                                               vocab_mask=mask)
             plan = cost.chain_plan(method, False, rp, _cut(x, shard), None if dp is None else _cut(dp, shard),
@@ -490,7 +495,8 @@ def compact(shard, g):
 def nuclei(shard, g):
     """Rows of few nonzero probabilities a rank (peaked top-p, min-p, both, temperature over V = 37, the mixed
     parameters) with i.i.d. drafts from other distributions (rejections), on a root of eight children and wider and
-    deeper trees: rrs and traversal with every row gathered whole in one round after the processing; with a draft
+    deeper trees, and chains: rrs, traversal, token and block with the rows gathered whole in one round after the
+    processing; with a draft
     probability below 0 or NaN somewhere (the walk on the shards' columns after that round); with rows wider than
     the width gathered (here: a width of 2; no round for it). Whether each equals the one-device op, and its
     collectives."""
@@ -518,6 +524,24 @@ def nuclei(shard, g):
                     ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
                     same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
                     out.append([f"{method} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist()])
+    K = 4
+    x = torch.randn(B, K + 1, V, generator=g) * 4
+    q = (torch.softmax(x[:, :K], -1) + torch.softmax(torch.randn(B, K, V, generator=g), -1)) / 2
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
+        params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
+        for case, width, qb in (("held", walks.HELD_WIDTH, q), ("q below 0", walks.HELD_WIDTH, q.clone()),
+                                ("q NaN", walks.HELD_WIDTH, q.clone()), ("wider", 2, q)):
+            if case != "held" and case != "wider":
+                qb[..., _OUTSIDE] = -0.5 if case == "q below 0" else float("nan")
+            rng = _philox(g, B)
+            for method in ("token", "block"):
+                with _held_width(width):
+                    res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
+                                          draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+                ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
+                out.append([f"chain {method} {case}", kind, _outcome(res) == _outcome(ref), len(calls),
+                            res.num_accepted.tolist()])
     return out
 
 

@@ -137,10 +137,10 @@ def chain_plan(method: str, greedy: bool, rp: RowParams, logits: Tensor, q: Tens
         return [_b(B * K1, 8)], gather
     reads = (torch.arange(K1) < K).long().repeat(B)
     rounds, dense = _process(rp, V, reads)
-    rounds[0] += _b(B * K, 4) if q is not None else 0
+    rounds[0] += _b(B * K, 4) + _b(1, 1) if q is not None else 0  # the drafts' q, and whether any is bad
     C = _held_width(rp, V, world)
     if C and K and method in ("token", "block"):  # walks._held_chain: the residuals' draft rows at the candidates
-        return _rounds(rounds + [_b(B * (K if method == "block" else 1) * C, 4) + _b(1, 1)]), gather
+        return _rounds(rounds + [_b(B * (K if method == "block" else 1) * C, 4)]), gather
     if method == "target_only":
         rounds += [_draw(dense)] if dense else []
     else:
@@ -165,10 +165,10 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
     rounds, _ = _process(rp, V, (children > 0).long().reshape(-1)[present])
     kids = int((depth > 0).sum())
-    rounds[0] += _b(kids, 4)
+    rounds[0] += _b(kids, 4) + (_b(1, 1) if sampling == "iid" else 0)  # the children's q, and whether any is bad
     C = _held_width(rp, V, world)
     if sampling == "iid" and C:  # walks._Compact: one round, then every rank alone
-        return _rounds(rounds + ([_b(kids * C, 4) + _b(1, 1)] if kids else [])), gather
+        return _rounds(rounds + ([_b(kids * C, 4)] if kids else [])), gather
     wo = sampling == "without_replacement"
     active = _active_per_round(method, tree, children)
     for a in active:

@@ -46,18 +46,17 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     at_draft = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)  # the rows of positions < K
     steps = [process(x, rp, shard, (at_draft, drafts))]
     if c.q is not None:
-        steps.append(read([c.q.flatten(0, 1)], torch.arange(B * K, device=dev), drafts, shard))
+        steps += [read([c.q.flatten(0, 1)], torch.arange(B * K, device=dev), drafts, shard), _bad(c.q)]
     target, *q_read = yield from together(*steps)
     p_x = target.read.view(B, K)
     if c.method == "target_only":
         draws = (yield from sample(target, u_draw.reshape(-1), 0, shard))[0].view(B, K + 1)
         n = _leading_run((draws[:, :K] == c.x) & c.usable)
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: expected_of(c, p_x, None))
-    q_x = q_read[0][0].view(B, K)
-    if _all_held(target, B * (K + 1)):  # top-k rows: residuals over their candidates, on every rank alone
-        got = yield from _held_chain(c, target, p_x, q_x, u_draw, u_accept, shard)
-        if got is not None:
-            return got
+    q_x, bad = q_read[0][0].view(B, K), q_read[1]
+    got = yield from _held_chain(c, target, p_x, q_x, bad, u_draw, u_accept, shard)  # rows held, or gathered
+    if got is not None:
+        return got
     p = target.probs.view(B, K + 1, -1)
     if c.method == "token":
         n = token_accepted(c, u_accept[:, 1:], p_x, q_x)
@@ -90,45 +89,48 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     return _result(c, tau, y, lambda: _block_expected(h))
 
 
-def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, u_draw: Tensor, u_accept: Tensor,
+def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_draw: Tensor, u_accept: Tensor,
                 shard: VocabShard) -> Task[ChainResult | None]:
-    """``token`` and ``block`` where every row is a top-k (or greedy) row: every rank holds the rows' candidates, and
-    a residual ``max(a p - q, 0)`` is 0 outside them, so one round reads the draft rows the residuals need at those
-    candidates (:func:`_q_at`; none where every draft was accepted) and the rest runs on every rank alone, the
-    one-device arithmetic over the candidates. None where a draft row holds a value below 0 or NaN (then the shard
-    path)."""
+    """``token`` and ``block`` where every rank holds the rows the residuals and the draw read whole, or can in one
+    round (:func:`_entries`: top-k rows; rows of few nonzero probabilities): a residual ``max(a p - q, 0)`` is 0
+    outside a row's entries, so that round reads the draft rows the residuals need there (``token``: the stop rows',
+    none where every draft was accepted; ``block``: every position's) and the rest runs on every rank alone, the
+    one-device arithmetic over the entries. None where a row is wider or, where q is read, ``bad`` (some rank's q
+    holds a value below 0 or NaN): then the shard path."""
     B, K, dev = c.B, c.K, p_x.device
     batch = torch.arange(B, device=dev)
+    q = c.q.flatten(0, 1)
     if c.method == "token":
         n = token_accepted(c, u_accept[:, 1:], p_x, q_x)
-        stop = batch * (K + 1) + n
-        w, ids = _held(target, stop)
         rejected = n < c.num_drafts
-        if K and bool(rejected.any()):  # the residual max(p - q, 0) where a draft was rejected
-            q = yield from _q_at(c.q.flatten(0, 1), batch * K + n.clamp(max=K - 1), ids, shard)
-            if q is None:
-                return None
-            residual = (w - q * rejected[:, None]).clamp_(min=0.0)
+        some = K and bool(rejected.any())  # the residual max(p - q, 0) where a draft was rejected
+        got = yield from _entries(target, batch * (K + 1) + n, q, batch * K + n.clamp(max=K - 1) if some else
+                                  batch[:0], batch if some else batch[:0], bad, shard)
+        if got is None:
+            return None
+        w, ids, q_stop = got
+        if some:
+            residual = (w - q_stop * rejected[:, None]).clamp_(min=0.0)
             w = torch.where((rejected & has_mass(residual))[:, None], residual, w)  # none: draw from p itself
         return _result(c, n, _held_draw(w, ids, u_draw.gather(1, n[:, None])[:, 0]), lambda: expected_of(c, p_x, q_x))
     if not K:
         return None
     drafted = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)
-    p, ids = _held(target, drafted)
-    q = yield from _q_at(c.q.flatten(0, 1), torch.arange(B * K, device=dev), ids, shard)
-    if q is None:
+    got = yield from _entries(target, torch.arange(B * (K + 1), device=dev), q, torch.arange(B * K, device=dev),
+                              drafted, bad, shard)
+    if got is None:
         return None
+    probs, every_ids, q = got
     a = block_a(c.usable, p_x, q_x)
-    w = (a[:, :K].reshape(-1, 1) * p - q).clamp_(min=0.0)
+    w = (a[:, :K].reshape(-1, 1) * probs[drafted] - q).clamp_(min=0.0)
     mass = row_mass(w)
     h = block_h(c, a, as_weight(mass).view(B, K))
     tau = block_tau(h, u_accept)
     bonus = batch * (K + 1) + tau
     at = batch * K + tau.clamp(max=K - 1)
     residual = ((tau < c.num_drafts) & (mass[at] > 0))[:, None]  # the residual w_tau, else the bonus row p_tau
-    p_bonus, ids_bonus = _held(target, bonus)
-    stop = torch.where(residual, w[at], p_bonus)
-    ids = torch.where(residual, ids[at], ids_bonus)
+    stop = torch.where(residual, w[at], probs[bonus])
+    ids = torch.where(residual, every_ids[drafted][at], every_ids[bonus])
     return _result(c, tau, _held_draw(stop, ids, u_draw.gather(1, tau[:, None])[:, 0]), lambda: _block_expected(h))
 
 
@@ -151,19 +153,19 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     # the target at every node, read at its first child's token; every child's draft probability at its token
     child = (t.depth > 0).nonzero(as_tuple=True)
     kid = t.first_child[nodes.b, nodes.v]
-    target, (q_x,) = yield from together(
+    iid = c.sampling == "iid"  # then the walk on every rank alone where the rows are held, or can be
+    target, (q_x,), *bad = yield from together(
         process(x[present], rp.take(present), shard, (nodes.row(nodes.b, nodes.v), c.x[nodes.b, kid])),
-        read([c.q.flatten(0, 1)], child[0] * c.N + child[1], c.x[child], shard))
+        read([c.q.flatten(0, 1)], child[0] * c.N + child[1], c.x[child], shard),
+        *([_bad(c.q[child])] if iid else []))
     q_at = torch.zeros(c.B, c.N, device=x.device)
     q_at[child] = q_x
     walk = _rrs if c.method == "rrs" else _traversal
     compact = None
-    if c.sampling == "iid" and _all_held(target, present.numel()):
-        compact = yield from _candidates(c, nodes, target, shard)
-    elif c.sampling == "iid":
-        gathered = yield from _gathered_candidates(c, nodes, target, shard)
-        if gathered is not None:
-            target, compact = gathered
+    if iid:
+        held = yield from _candidates(c, nodes, target, bad[0], shard)
+        if held is not None:
+            target, compact = held
     return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact))
 
 
@@ -184,80 +186,101 @@ class _Compact:
         return Part(None, self.ids[act], w).prob(x)
 
 
-def _candidates(c, nodes: _Nodes, target, shard: VocabShard) -> Task[_Compact | None]:
-    """:class:`_Compact` for the walk, in one round (:func:`_q_at`), or None."""
+def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shard: VocabShard) -> Task[tuple[Rows, _Compact] | None]:
+    """The rows as every rank holds them whole, and :class:`_Compact` for the walk: every present row, each child's q
+    at its parent's entries (:func:`_entries`; ``bad``: whether some rank's q of a child holds a value below 0 or
+    NaN); or None."""
     b, kids = nodes.b, nodes.kids
-    ids = _held(target, nodes.row(b, nodes.v))[1]  # [s, C]
-    s, C = ids.shape
-    if not s:  # no node has children: nothing to read (every draw is at a root)
-        return _Compact(ids, torch.zeros(0, kids.shape[1], C, device=ids.device))
-    at = (kids >= 0).nonzero(as_tuple=True)
-    got = yield from _q_at(c.q.flatten(0, 1), b[at[0]] * c.N + kids[at], ids[at[0]], shard)
+    R = target.probs.shape[0]
+    held = _all_held(target, R)
+    if not b.numel() and not held:  # no node has children: the draw is the only round, as on the shards
+        return None
+    rows, every = nodes.row(b, nodes.v), torch.arange(R, device=b.device)
+    at = (kids >= 0).nonzero(as_tuple=True)  # every child: (its parent's slot, its sibling rank)
+    got = yield from _entries(target, every, c.q.flatten(0, 1), b[at[0]] * c.N + kids[at], rows[at[0]], bad, shard)
     if got is None:
         return None
-    q = torch.zeros(s, kids.shape[1], C, device=ids.device)
-    q[at] = got
-    return _Compact(ids, q)
+    probs, ids, q_at = got
+    q = torch.zeros(*kids.shape, ids.shape[1], device=ids.device)
+    q[at] = q_at
+    if not held:
+        target = replace(target, part=Part(None, ids, probs), part_rows=every)
+    return target, _Compact(ids[rows], q)
 
 
-HELD_WIDTH = 64  # the most nonzero probabilities of a row on a rank that _gathered_candidates sends (under 1 KiB a row)
+HELD_WIDTH = 64  # the most nonzero probabilities of a row on a rank that _entries gathers (under 1 KiB a row)
 
 
-def _gathered_candidates(c, nodes: _Nodes, target: Rows, shard: VocabShard) -> Task[tuple[Rows, _Compact] | None]:
-    """:class:`_Compact` for rows that are not all top-k rows but hold few nonzero probabilities on every rank (small
-    nuclei, min-p, top-k among them: at most :data:`HELD_WIDTH`, which every rank knows from ``target.count``): one
-    round gathers every row's nonzero entries from every rank, with each child's q at its parent's entries (the
-    rank holding an entry holds its q too) and whether any rank's q holds a value below 0 or NaN; then every row is
-    held whole on every rank, as a top-k row is. Returns the rows so held and the walk's candidates; None where a row
-    holds more (no round) or where a q is bad (after the round: the walk then takes its shard rounds)."""
-    R, dev = target.probs.shape[0], target.probs.device
-    W = int(target.count.max()) if target.count.numel() else 0
-    if not 0 < W <= HELD_WIDTH or not nodes.b.numel():  # too many (or no mass anywhere); or no node has children
+def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor, bad: bool,
+             shard: VocabShard) -> Task[tuple[Tensor, Tensor, Tensor] | None]:
+    """The processed rows ``rows`` (int64 ``[n]``) as every rank then holds them whole: probabilities float32 ``[n,
+    C]`` and ids int64 ``[n, C]`` (increasing, padded with id 0 at probability 0); and the draft rows ``q_rows``
+    (int64 ``[a]``) of ``q`` ``[R, size]`` at the ids of ``rows[q_of]``, float32 ``[a, C]``.
+
+    Top-k (or greedy) rows: every rank holds them already; one round reads the q values (:func:`_q_at`; none where
+    none is asked for). Other rows whose every rank holds at most :data:`HELD_WIDTH` nonzero probabilities (small
+    nuclei, min-p; every rank knows each rank's count from the processing, ``target.count``, so all decide alike):
+    one round gathers their nonzero entries from every rank, with the q values there (the rank holding an entry
+    holds its q). Entries of no mass count: a residual's renormalisation can give them mass. None, without a round,
+    where a row holds more, or where q values are asked for and ``bad`` (:func:`_bad`: a q below 0 or NaN on some
+    rank, whose ``max(a p - q, 0)`` would have mass outside the entries)."""
+    if bad and q_rows.numel():
         return None
-    nz = target.probs != 0
-    n = nz.sum(-1)
+    if _all_held(target, target.probs.shape[0]):
+        probs, ids = _held(target, rows)
+        if not q_rows.numel():
+            return probs, ids, probs.new_zeros(0, ids.shape[1])
+        return probs, ids, (yield from _q_at(q, q_rows, ids[q_of], shard))
+    W = int(target.count[:, rows].max()) if rows.numel() else 0
+    if not 0 < W <= HELD_WIDTH:  # too many (or no mass anywhere: the shard path is as short)
+        return None
+    dev, n = rows.device, rows.numel()
+    sub = target.probs.index_select(0, rows)
+    nz = sub != 0
+    count = nz.sum(-1)
     b, col = nz.nonzero(as_tuple=True)  # in id order within a row
-    j = torch.arange(b.numel(), device=dev) - (n.cumsum(0) - n)[b]
-    fits = j < W  # always, as count bounds the nonzero entries (else the flag below falls back)
-    ids = torch.full((R, W), -1, dtype=torch.int32, device=dev)
-    probs = torch.zeros(R, W, device=dev)
-    ids[b[fits], j[fits]] = (col[fits] + shard.start).int()
-    probs[b[fits], j[fits]] = target.probs[b[fits], col[fits]]
-    rows = nodes.row(nodes.b, nodes.v)  # the rows of the nodes with children
-    at = (nodes.kids >= 0).nonzero(as_tuple=True)  # every child: (its parent's slot, its sibling rank)
-    parent = rows[at[0]]
-    q_rows = c.q.flatten(0, 1).index_select(0, nodes.b[at[0]] * c.N + nodes.kids[at])  # [a, size]
-    q = torch.zeros(parent.numel(), W, device=dev)
+    j = torch.arange(b.numel(), device=dev) - (count.cumsum(0) - count)[b]
+    fits = j < W  # always: target.count bounds the nonzero entries (were it ever not, the flag sent falls back)
+    b, col, j = b[fits], col[fits], j[fits]
+    ids = torch.full((n, W), -1, dtype=torch.int32, device=dev)
+    ids[b, j] = (col + shard.start).int()
+    probs = torch.zeros(n, W, device=dev)
+    probs[b, j] = sub[b, col]
+    q_sel = q.index_select(0, q_rows)
+    values = torch.zeros(q_rows.numel(), W, device=dev)
     if shard.size:
-        cols = (ids[parent].long() - shard.start).clamp(min=0)
-        q = torch.where(ids[parent] >= 0, q_rows.gather(1, cols), 0.0)
-    bad = ~(q_rows >= 0).all() | ~fits.all()
-    got = yield [ids, probs, q, bad.to(dtype=torch.uint8)[None]]
+        values = torch.where(ids[q_of] >= 0, q_sel.gather(1, (ids[q_of].long() - shard.start).clamp(min=0)), 0.0)
+    got = yield [ids, probs, values, (~fits.all()).to(dtype=torch.uint8)[None]]
     if bool(got.parts[3].any()):
         return None
     V = shard.vocab_size
     # every rank's entries of a row side by side, then in id order (the shards may be in any order), pads last
-    key, order = torch.where(got.parts[0] >= 0, got.parts[0].long(), V).permute(1, 0, 2).reshape(R, -1).sort(-1)
-    C = max(int((key < V).sum(-1).max()), 1)  # the most candidates of a row (pads: id 0 at probability 0)
+    key, order = _side_by_side(torch.where(got.parts[0] >= 0, got.parts[0].long(), V)).sort(-1)
+    C = max(int((key < V).sum(-1).max()), 1)  # the most entries of a row
     key, order = key[:, :C], order[:, :C]
     real = key < V
-    held_ids = torch.where(real, key, 0)
-    held = torch.where(real, got.parts[1].permute(1, 0, 2).reshape(R, -1).gather(1, order), 0.0)
-    q_held = torch.zeros(*nodes.kids.shape, C, device=dev)
-    q_held[at] = torch.where(real[parent], got.parts[2].permute(1, 0, 2).reshape(parent.numel(), -1).gather(
-        1, order[parent]), 0.0)
-    target = replace(target, part=Part(None, held_ids, held), part_rows=torch.arange(R, device=dev))
-    return target, _Compact(held_ids[rows], q_held)
+    probs = torch.where(real, _side_by_side(got.parts[1]).gather(1, order), 0.0)
+    values = torch.where(real[q_of], _side_by_side(got.parts[2]).gather(1, order[q_of]), 0.0)
+    return probs, torch.where(real, key, 0), values
 
 
-def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor | None]:
+def _side_by_side(t: Tensor) -> Tensor:
+    """``[world, m, W]`` gathered -> ``[m, world * W]``: each row's entries from every rank, rank after rank."""
+    return t.permute(1, 0, 2).reshape(t.shape[1], t.shape[0] * t.shape[2])
+
+
+def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor]:
     """Draft rows ``rows`` int64 ``[n]`` of ``q`` ``[R, size]`` at global ids ``[n, C]``, on every rank, in one
-    round (float32 ``[n, C]``); None where any rank's rows hold a value below 0 or NaN, whose ``max(p - q, 0)`` has
-    mass outside the candidates."""
-    bad = ~(q.index_select(0, rows) >= 0).all() if shard.size else torch.zeros((), dtype=torch.bool)
-    got = yield [owned_values(q, rows[:, None].expand_as(ids).reshape(-1), ids.reshape(-1), shard),
-                 bad.to(device=ids.device, dtype=torch.uint8)[None]]
-    return None if bool(got.parts[1].any()) else got.parts[0].sum(0).view(ids.shape)
+    round (float32 ``[n, C]``)."""
+    got = yield [owned_values(q, rows[:, None].expand_as(ids).reshape(-1), ids.reshape(-1), shard)]
+    return got.parts[0].sum(0).view(ids.shape)
+
+
+def _bad(q: Tensor) -> Task[bool]:
+    """Whether any rank's draft rows ``q`` ``[n, size]`` hold a value below 0 or NaN (their ``max(a p - q, 0)`` has
+    mass outside a row's entries: :func:`_entries` does not apply), in the round it rides in."""
+    got = yield [(~(q >= 0).all()).to(dtype=torch.uint8)[None]]
+    return bool(got.parts[0].any())
 
 
 def _held_draw(w: Tensor, ids: Tensor, u: Tensor) -> Tensor:
