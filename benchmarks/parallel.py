@@ -3,8 +3,9 @@
 For each world size, a group of processes (gloo on CPU; ``--device cuda``: NCCL, one GPU per rank); each rank holds
 its even shard of the target logits. For each op (the issue's table: sampling with temperature, top-k + top-p and
 top-p; chain verification, token and target_only; tree verification, rrs and traversal on 8 nodes of depth 3; chain
-token and tree rrs with top-k + top-p, whose residuals run over the candidates every rank holds; and greedy chain
-verification), per rank and call: the collectives (rounds, bytes each rank sends, counted by
+token and tree rrs with top-k + top-p, whose residuals run over the candidates every rank holds; chain token and tree
+rrs with top-p on peaked rows (logits 3x as spread: nuclei of a few tokens, gathered whole in one round); and greedy
+chain verification), per rank and call: the collectives (rounds, bytes each rank sends, counted by
 ``specsampler.parallel.count_collectives``) and the median time of
 
 - ``shard``: the rows processed on the shards, a few rounds of small collectives;
@@ -62,16 +63,18 @@ def _ops(shard, B: int, K: int, V: int, device) -> dict:
     alike; each returns its tokens."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(B, K + 1, V, generator=g) * 3).to(device)
+    peaked = x * 3  # nuclei of a few tokens, as a confident model's (those above: hundreds a rank)
     q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
     drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K).to(device)
     N = len(TREE)
     xt = (torch.randn(B, N, V, generator=g) * 3).to(device)
+    peaked_t = xt * 3
     qt = torch.softmax(torch.randn(B, N, V, generator=g) * 3, -1)
     dt = torch.multinomial(qt.view(-1, V), 1, generator=g).view(B, N).to(device)
     q, qt = q.to(device), qt.to(device)
     tree = ss.TokenTree.from_parents(torch.tensor([TREE] * B)).to(device)
     cut = lambda t: t[..., shard.start:shard.end].contiguous()  # noqa: E731
-    x, q, xt, qt = cut(x), cut(q), cut(xt), cut(qt)
+    x, q, xt, qt, peaked, peaked_t = cut(x), cut(q), cut(xt), cut(qt), cut(peaked), cut(peaked_t)
     rng = ss.Philox(torch.arange(B, device=device), 11)
     top_p, top_kp = ss.SamplingParams(top_p=0.9), ss.SamplingParams(top_k=50, top_p=0.9)
     sample, chain, verify_tree = (parallel.sample_from_logits, parallel.verify_chain_from_logits,
@@ -88,10 +91,14 @@ def _ops(shard, B: int, K: int, V: int, device) -> dict:
             x, drafts, top_kp, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
         "verify_chain_from_logits target_only, top-k + top-p": lambda **kw: chain(
             x, drafts, top_kp, method="target_only", rng=rng, shard=shard, **kw).tokens,
+        "verify_chain_from_logits token, top-p 0.9, peaked rows": lambda **kw: chain(
+            peaked, drafts, top_p, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits rrs iid, top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_p, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits rrs iid, top-k 50 + top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_kp, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
+        "verify_tree_from_logits rrs iid, top-p 0.9, peaked rows": lambda **kw: verify_tree(
+            peaked_t, dt, tree, top_p, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits traversal w/o repl., top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_p, draft_probs=qt, method="traversal", draft_sampling="without_replacement", rng=rng,
             shard=shard, **kw).tokens,

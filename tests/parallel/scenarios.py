@@ -492,14 +492,25 @@ def compact(shard, g):
     return out
 
 
+def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice):
+    """For each kind of row and case of :func:`nuclei`: ``(kind, params, case, width, q, rng)``, the draft rows
+    ``q[:, drafted]`` given a value below 0 or NaN at _OUTSIDE in those cases."""
+    for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
+        params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
+        for case, width, bad in (("held", walks.HELD_WIDTH, None), ("q below 0", walks.HELD_WIDTH, -0.5),
+                                 ("q NaN", walks.HELD_WIDTH, float("nan")), ("wider", 2, None)):
+            qb = q if bad is None else q.clone()
+            if bad is not None:
+                qb[:, drafted, _OUTSIDE] = bad
+            yield kind, params, case, width, qb, _philox(g, B)
+
+
 def nuclei(shard, g):
     """Rows of few nonzero probabilities a rank (peaked top-p, min-p, both, temperature over V = 37, the mixed
     parameters) with i.i.d. drafts from other distributions (rejections), on a root of eight children and wider and
     deeper trees, and chains: rrs, traversal, token and block with the rows gathered whole in one round after the
-    processing; with a draft
-    probability below 0 or NaN somewhere (the walk on the shards' columns after that round); with rows wider than
-    the width gathered (here: a width of 2; no round for it). Whether each equals the one-device op, and its
-    collectives."""
+    processing; with a draft probability below 0 or NaN somewhere (the shard path); with rows wider than the width
+    gathered (here: a width of 2). Whether each equals the one-device op, its collectives and accepted counts."""
     B = 6
     out = []
     for shape in ([-1] + [0] * 8, WIDE, BINARY):
@@ -510,38 +521,26 @@ def nuclei(shard, g):
         parent = torch.tensor(shape).clamp(min=0)
         q = (torch.softmax(x[:, parent], -1) + torch.softmax(torch.randn(B, N, V, generator=g), -1)) / 2
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
-        for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
-            params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
-            for case, width, qb in (("held", walks.HELD_WIDTH, q), ("q below 0", walks.HELD_WIDTH, q.clone()),
-                                    ("q NaN", walks.HELD_WIDTH, q.clone()), ("wider", 2, q)):
-                if case != "held" and case != "wider":
-                    qb[:, 1:, _OUTSIDE] = -0.5 if case == "q below 0" else float("nan")
-                rng = _philox(g, B)
-                for method in ("rrs", "traversal"):
-                    with _held_width(width):
-                        res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
-                                              draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
-                    ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
-                    same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
-                    out.append([f"{method} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist()])
+        for kind, params, case, width, qb, rng in _narrow_cases(g, B, q, slice(1, None)):
+            for method in ("rrs", "traversal"):
+                with _held_width(width):
+                    res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
+                                          draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+                ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
+                same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
+                out.append([f"{method} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist()])
     K = 4
     x = torch.randn(B, K + 1, V, generator=g) * 4
     q = (torch.softmax(x[:, :K], -1) + torch.softmax(torch.randn(B, K, V, generator=g), -1)) / 2
     drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
-    for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
-        params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
-        for case, width, qb in (("held", walks.HELD_WIDTH, q), ("q below 0", walks.HELD_WIDTH, q.clone()),
-                                ("q NaN", walks.HELD_WIDTH, q.clone()), ("wider", 2, q)):
-            if case != "held" and case != "wider":
-                qb[..., _OUTSIDE] = -0.5 if case == "q below 0" else float("nan")
-            rng = _philox(g, B)
-            for method in ("token", "block"):
-                with _held_width(width):
-                    res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
-                                          draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
-                ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
-                out.append([f"chain {method} {case}", kind, _outcome(res) == _outcome(ref), len(calls),
-                            res.num_accepted.tolist()])
+    for kind, params, case, width, qb, rng in _narrow_cases(g, B, q, slice(None)):
+        for method in ("token", "block"):
+            with _held_width(width):
+                res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
+                                      draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+            ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
+            out.append([f"chain {method} {case}", kind, _outcome(res) == _outcome(ref), len(calls),
+                        res.num_accepted.tolist()])
     return out
 
 
