@@ -46,7 +46,8 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     at_draft = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)  # the rows of positions < K
     steps = [process(x, rp, shard, (at_draft, drafts))]
     if c.q is not None:
-        steps += [read([c.q.flatten(0, 1)], torch.arange(B * K, device=dev), drafts, shard), _bad(c.q)]
+        live = torch.arange(K, device=dev) < c.num_drafts[:, None]
+        steps += [read([c.q.flatten(0, 1)], torch.arange(B * K, device=dev), drafts, shard), _bad(c.q, live)]
     target, *q_read = yield from together(*steps)
     p_x = target.read.view(B, K)
     if c.method == "target_only":
@@ -157,7 +158,7 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     target, (q_x,), *bad = yield from together(
         process(x[present], rp.take(present), shard, (nodes.row(nodes.b, nodes.v), c.x[nodes.b, kid])),
         read([c.q.flatten(0, 1)], child[0] * c.N + child[1], c.x[child], shard),
-        *([_bad(c.q[child])] if iid else []))
+        *([_bad(c.q, t.depth > 0)] if iid else []))
     q_at = torch.zeros(c.B, c.N, device=x.device)
     q_at[child] = q_x
     walk = _rrs if c.method == "rrs" else _traversal
@@ -276,10 +277,11 @@ def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tenso
     return got.parts[0].sum(0).view(ids.shape)
 
 
-def _bad(q: Tensor) -> Task[bool]:
-    """Whether any rank's draft rows ``q`` ``[n, size]`` hold a value below 0 or NaN (their ``max(a p - q, 0)`` has
-    mass outside a row's entries: :func:`_entries` does not apply), in the round it rides in."""
-    got = yield [(~(q >= 0).all()).to(dtype=torch.uint8)[None]]
+def _bad(q: Tensor, live: Tensor) -> Task[bool]:
+    """Whether any rank's draft rows ``q`` ``[..., size]`` where ``live`` (bool ``[...]``: the rows of drafts; padding
+    is never read) hold a value below 0 or NaN (their ``max(a p - q, 0)`` has mass outside a row's entries:
+    :func:`_entries` does not apply), in the round it rides in."""
+    got = yield [(~((q >= 0).all(-1) | ~live).all()).to(dtype=torch.uint8)[None]]
     return bool(got.parts[0].any())
 
 
