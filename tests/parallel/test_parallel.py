@@ -132,8 +132,8 @@ def test_every_collective_sends_at_most_a_kibibyte_per_row(ranks):
 
 
 def test_rounds_and_bytes_do_not_grow_with_the_vocabulary(ranks):
-    """At V and 64 V: rows of zeros but one token (the trees' walks on the shards' columns), and rows of -inf but one
-    (every row held whole by the trees' walks: one nonzero probability a row at both sizes)."""
+    """At V and 64 V: rows of zeros but one token (verification on the shards' columns), and rows of -inf but one
+    (every row held whole by chain and tree verification: one nonzero probability a row at both sizes)."""
     comms = ranks[0]["comms"]
     for (small, small_out), (large, large_out) in (comms[:2], comms[2:]):
         assert small == large
@@ -220,9 +220,9 @@ def test_rows_of_few_probabilities_verify_any_tree_or_chain_in_one_round_after_t
     """Rows holding at most walks.HELD_WIDTH nonzero probabilities on every rank (small nuclei, min-p, a short
     vocabulary): one round gathers the rows' entries and the draft probabilities there, then rrs and traversal
     (i.i.d. drafts) walk and draw on each rank alone (a root of eight children took up to 11 rounds), and so do
-    chain token and block (were P + 2); a draft probability below 0 or NaN (a residual mass outside the entries)
-    keeps the shard path's rounds, after that one; rows wider than the width gathered take no such round. The
-    one-device op's tokens in every case."""
+    chain token and block (were P + 2); a draft probability below 0 or NaN (a residual mass outside the entries),
+    known from round 1, and rows wider than the width gathered take the shard path. The one-device op's tokens in
+    every case."""
     results = _same_on_every_rank(ranks, "nuclei")
     held = {}
     for name, kind, same, n, _ in results:
