@@ -53,8 +53,8 @@ def _cut(t: torch.Tensor, shard: parallel.VocabShard) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _held_width(width: int):
-    """Trees' walks gather rows of at most ``width`` nonzero probabilities a rank (-1: never, the walks over the
-    shards' columns, as for rows wider than walks.HELD_WIDTH; at V = 37 every row is narrower)."""
+    """Chain and tree verification gather rows of at most ``width`` nonzero probabilities a rank (-1: never, the
+    residuals on the shards' columns, as for rows wider than walks.HELD_WIDTH; at V = 37 every row is narrower)."""
     old, walks.HELD_WIDTH = walks.HELD_WIDTH, width
     try:
         yield
