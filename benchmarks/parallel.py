@@ -3,10 +3,10 @@
 For each world size, a group of processes (gloo on CPU; ``--device cuda``: NCCL, one GPU per rank); each rank holds
 its even shard of the target logits. For each op (the issue's table: sampling with temperature, top-k + top-p and
 top-p; chain verification, token and target_only; tree verification, rrs and traversal on 8 nodes of depth 3; chain
-token and tree rrs with top-k + top-p, whose residuals run over the candidates every rank holds; chain token and tree
-rrs with top-p on peaked rows (logits 3x as spread: nuclei of a few tokens, gathered whole in one round); and greedy
-chain verification), per rank and call: the collectives (rounds, bytes each rank sends, counted by
-``specsampler.parallel.count_collectives``) and the median time of
+token and tree rrs with top-k + top-p, whose residuals run over the candidates every rank holds; chain token, tree
+rrs and traversal without replacement with top-p on peaked rows (logits 3x as spread: nuclei of a few tokens,
+gathered whole in one round); and greedy chain verification), per rank and call: the collectives (rounds, bytes
+each rank sends, counted by ``specsampler.parallel.count_collectives``) and the median time of
 
 - ``shard``: the rows processed on the shards, a few rounds of small collectives;
 - ``gather``: the rows (and masks, draft probabilities) all-gathered, then the one-device op (the same tokens:
@@ -102,6 +102,9 @@ def _ops(shard, B: int, K: int, V: int, device) -> dict:
         "verify_tree_from_logits traversal w/o repl., top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_p, draft_probs=qt, method="traversal", draft_sampling="without_replacement", rng=rng,
             shard=shard, **kw).tokens,
+        "verify_tree_from_logits traversal w/o repl., top-p 0.9, peaked rows": lambda **kw: verify_tree(
+            peaked_t, dt, tree, top_p, draft_probs=qt, method="traversal", draft_sampling="without_replacement",
+            rng=rng, shard=shard, **kw).tokens,
         "verify_chain_from_logits greedy": lambda **kw: chain(x, drafts, method="greedy", shard=shard, **kw).tokens,
     }
 

@@ -311,9 +311,8 @@ def monte_carlo() -> dict:
     shape = (2, 2)
     D = len(shape)
     P = ex.Table(target, Vs, D)
-    for method, sampling, width in (("rrs", "iid", -1), ("rrs", "iid", walks.HELD_WIDTH),
-                                    ("rrs", "without_replacement", -1), ("traversal", "iid", -1),
-                                    ("traversal", "iid", walks.HELD_WIDTH), ("traversal", "without_replacement", -1)):
+    for method, sampling, width in ((m, d, w) for m in ("rrs", "traversal") for d in ("iid", "without_replacement")
+                                    for w in (-1, walks.HELD_WIDTH)):
         drafter = draft if sampling == "iid" else ex.random_model(Vs, 1003)  # as many tokens as children
         Q = ex.Table(drafter, Vs, D - 1)
         p, x, q, tree_ = ex.tree_inputs(P, Q, shape, trials, sampling, gen)
@@ -508,27 +507,35 @@ def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice):
 def nuclei(shard, g):
     """Rows of few nonzero probabilities a rank (peaked top-p, min-p, both, temperature over V = 37, the mixed
     parameters) with i.i.d. drafts from other distributions (rejections), on a root of eight children and wider and
-    deeper trees, and chains: rrs, traversal, token and block with the rows gathered whole in one round after the
-    processing; with a draft probability below 0 or NaN somewhere (the shard path); with rows wider than the width
-    gathered (here: a width of 2). Whether each equals the one-device op, its collectives and accepted counts."""
+    deeper trees, and chains: rrs and traversal (i.i.d. and without replacement), token and block with the rows
+    gathered whole in one round after the processing; with a draft probability below 0 or NaN somewhere (the shard
+    path); with rows wider than the width gathered (here: a width of 2). Whether each equals the one-device op, its
+    collectives, accepted counts and the rounds it may take past the processing and one: without replacement, the
+    shared q's masses past the processing's two rounds, one a round."""
     B = 6
     out = []
     for shape in ([-1] + [0] * 8, WIDE, BINARY):
         tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
         N = len(shape)
         x = torch.randn(B, N, V, generator=g) * 4  # peaked: nuclei of a few tokens
-        # each child drafted half from its parent's target row, half at random: acceptances and rejections
+        # each child drafted a quarter from its parent's target row, the rest at random: acceptances and rejections
         parent = torch.tensor(shape).clamp(min=0)
-        q = (torch.softmax(x[:, parent], -1) + torch.softmax(torch.randn(B, N, V, generator=g), -1)) / 2
+        q = (torch.softmax(x[:, parent], -1) + 3 * torch.softmax(torch.randn(B, N, V, generator=g), -1)) / 4
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+        widest = max(shape.count(i) for i in range(N))
         for kind, params, case, width, qb, rng in _narrow_cases(g, B, q, slice(1, None)):
-            for method in ("rrs", "traversal"):
+            for method, sampling in (("rrs", "iid"), ("traversal", "iid"), ("rrs", "without_replacement"),
+                                     ("traversal", "without_replacement")):
                 with _held_width(width):
                     res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
-                                          draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
-                ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method, rng=rng)
+                                          draft_probs=_cut(qb, shard), method=method, draft_sampling=sampling,
+                                          rng=rng, shard=shard)
+                ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method,
+                                                 draft_sampling=sampling, rng=rng)
                 same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
-                out.append([f"{method} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist()])
+                extra = max(widest - 3, 0) if sampling == "without_replacement" else 0
+                out.append([f"{method}/{sampling} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist(),
+                            extra])
     K = 4
     x = torch.randn(B, K + 1, V, generator=g) * 4
     q = (torch.softmax(x[:, :K], -1) + torch.softmax(torch.randn(B, K, V, generator=g), -1)) / 2
@@ -540,7 +547,7 @@ def nuclei(shard, g):
                                       draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
             ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
             out.append([f"chain {method} {case}", kind, _outcome(res) == _outcome(ref), len(calls),
-                        res.num_accepted.tolist()])
+                        res.num_accepted.tolist(), 0])
     return out
 
 

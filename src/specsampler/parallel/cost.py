@@ -22,6 +22,7 @@ from ..params import RowParams
 from ..sampling.processing import _kinds
 from .draws import WINDOW
 from .nucleus import APPROX_BINS, ENTRIES, SUB_BINS
+from .process import fewest_rounds
 from .shard import VocabShard
 
 
@@ -165,11 +166,18 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
     rounds, _ = _process(rp, V, (children > 0).long().reshape(-1)[present])
     kids = int((depth > 0).sum())
-    rounds[0] += _b(kids, 4) + (_b(1, 1) if sampling == "iid" else 0)  # the children's q, and whether any is bad
+    rounds[0] += _b(kids, 4) + _b(1, 1)  # the children's q, and whether any is bad
+    wo = sampling == "without_replacement"
+    parents, widest = int((children > 0).sum()), int(children.max())
+    if wo:  # walks._SharedQ: the shared q's masses in the processing's surest rounds
+        for i in range(min(widest - 1, fewest_rounds(rp, V))):
+            rounds[i] += _b(parents, 8)
     C = _held_width(rp, V, world)
     if sampling == "iid" and C:  # walks._Compact: one round, then every rank alone
         return _rounds(rounds + ([_b(kids * C, 4)] if kids else [])), gather
-    wo = sampling == "without_replacement"
+    if C:  # and the shared q's masses not yet known, one a round (the most: a walk settled sooner ends them sooner)
+        rest = max(widest - 1 - fewest_rounds(rp, V), 0)
+        return _rounds(rounds + ([_b(parents * C, 4)] if parents else []) + [_b(parents, 8)] * rest), gather
     active = _active_per_round(method, tree, children)
     for a in active:
         rounds.append(2 * _b(a, 8) + (_b(a, 8) if wo else 0) + (2 + (method == "traversal" and wo)) * _b(a, 4))

@@ -78,6 +78,14 @@ def process(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     return out
 
 
+def fewest_rounds(rp: RowParams, V: int) -> int:
+    """The fewest rounds :func:`process` takes on rows ``rp`` over ``V`` tokens, whatever their values: 1 where every
+    row is a greedy or top-k row, else 2 (temperature and min-p rows take 2, top-p rows 2 or more)."""
+    on_host = rp.shared if rp.shared is not None else rp
+    bounded = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, V, True)[1]
+    return 1 if bool(torch.as_tensor(bounded).all()) else 2
+
+
 def _plain(x: Tensor, rp: RowParams, shard: VocabShard, reads) -> Task[Rows]:
     """Rows with neither top-k nor top-p: the maximum, then the exact mass of the weights min-p keeps."""
     row, ids = reads

@@ -29,7 +29,7 @@ from ..verify.chain import (
 )
 from ..verify.walks import TreeInputs, _ratio, walk_draws
 from .draws import draw, exact_masses, local, mass_and_count, normalised_bounds, owned_values, read
-from .process import process, sample
+from .process import fewest_rounds, process, sample
 from .rounds import Task, together
 from .rows import Rows
 from .shard import VocabShard
@@ -154,59 +154,119 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     # the target at every node, read at its first child's token; every child's draft probability at its token
     child = (t.depth > 0).nonzero(as_tuple=True)
     kid = t.first_child[nodes.b, nodes.v]
-    iid = c.sampling == "iid"  # then the walk on every rank alone where the rows are held, or can be
-    target, (q_x,), *bad = yield from together(
-        process(x[present], rp.take(present), shard, (nodes.row(nodes.b, nodes.v), c.x[nodes.b, kid])),
-        read([c.q.flatten(0, 1)], child[0] * c.N + child[1], c.x[child], shard),
-        *([_bad(c.q, t.depth > 0)] if iid else []))
+    rp = rp.take(present)
+    # without replacement, the shared q's renormalisations in the processing's rounds (as many as it surely takes)
+    shared = _SharedQ(c, nodes, shard) if c.sampling == "without_replacement" and nodes.b.numel() else None
+    target, (q_x,), bad, *_ = yield from together(
+        process(x[present], rp, shard, (nodes.row(nodes.b, nodes.v), c.x[nodes.b, kid])),
+        read([c.q.flatten(0, 1)], child[0] * c.N + child[1], c.x[child], shard), _bad(c.q, t.depth > 0),
+        *([shared.advance(fewest_rounds(rp, shard.vocab_size))] if shared is not None else []))
     q_at = torch.zeros(c.B, c.N, device=x.device)
     q_at[child] = q_x
     walk = _rrs if c.method == "rrs" else _traversal
     compact = None
-    if iid:
-        held = yield from _candidates(c, nodes, target, bad[0], shard)
+    if c.sampling == "iid" or shared is not None:  # the walk on every rank alone where the rows are held, or can be
+        held = yield from _candidates(c, nodes, target, bad, shared, shard)
         if held is not None:
             target, compact = held
     return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact))
 
 
 class _Compact:
-    """The walk on every rank alone, where every row is a top-k (or greedy) row and the drafts are i.i.d.: a row's
-    residuals are 0 outside its kept candidates (``max(r - q, 0)`` with ``r`` 0 there and ``q >= 0``), which every
-    rank holds, so with each child's q at its parent's candidates no residual needs a round, nor the draw.
+    """The walk on every rank alone, where every rank holds each row whole (:func:`_entries`): a row's residuals are
+    0 outside its entries (``max(r - q, 0)`` with ``r`` 0 there and ``q >= 0``), so with the children's q at their
+    parent's entries no residual needs a round, nor the draw.
 
-    ids: int64 ``[s, C]``, the candidates (increasing ids) of each node with children (``nodes``' slots); q: float32
-    ``[s, max_children, C]``, each child's q there (0 past the last child)."""
+    ids: int64 ``[s, C]``, the entries (increasing ids) of each node with children (``nodes``' slots). i.i.d.: q
+    float32 ``[s, max_children, C]``, each child's q there (0 past the last child). Without replacement: q ``[s, C]``,
+    the children's shared q there after each node's removals so far, and ``shared`` (:class:`_SharedQ`), the masses
+    each removal renormalises by (a round for each one not yet known)."""
 
-    def __init__(self, ids: Tensor, q: Tensor):
-        self.ids, self.q = ids, q
+    def __init__(self, ids: Tensor, q: Tensor, shared: _SharedQ | None = None):
+        self.ids, self.q, self.shared = ids, q, shared
 
     def value(self, w: Tensor, act: Tensor, x: Tensor) -> Tensor:
-        """float32 ``[a]``: rows ``w`` ``[a, C]`` over the candidates of nodes ``act`` at global ids ``x`` ``[a]`` (0
+        """float32 ``[a]``: rows ``w`` ``[a, C]`` over the entries of nodes ``act`` at global ids ``x`` ``[a]`` (0
         where absent, or -1)."""
         return Part(None, self.ids[act], w).prob(x)
 
+    def q_of(self, act: Tensor, k: Tensor | int) -> Tensor:
+        """float32 ``[a, C]``: the q nodes ``act`` test their ``k``-th child with (i.i.d.: its own; without
+        replacement: the shared q after ``k`` removals, ``k`` being each node's removals so far)."""
+        return self.q[act] if self.shared is not None else self.q[act, k]
 
-def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shard: VocabShard) -> Task[tuple[Rows, _Compact] | None]:
-    """The rows as every rank holds them whole, and :class:`_Compact` for the walk: every present row, each child's q
-    at its parent's entries (:func:`_entries`; ``bad``: whether some rank's q of a child holds a value below 0 or
-    NaN); or None."""
+    def remove(self, act: Tensor, k: Tensor, x: Tensor) -> Task[Tensor]:
+        """Without replacement: remove the ``k``-th child (int64 ``[a]``, at global ids ``x``) from the shared q of
+        nodes ``act`` at their entries (zeroed there, renormalised by the mass :class:`_SharedQ` gives, as the shard
+        path does over whole rows: the same values); returns that mass, float64 ``[a]``."""
+        mass = yield from self.shared.mass_after(act, k)
+        q = self.q[act]
+        self.q[act] = divide_by(torch.where(self.ids[act] == x[:, None], 0.0, q), mass[:, None])
+        return mass
+
+
+class _SharedQ:
+    """Without replacement: the q a node's children share, after each child is removed (zeroed at its token, then
+    renormalised by its exact mass over every rank), as the one-device walk computes it. The sequence depends on
+    the drafts alone, not on the walk, so its first rounds ride in the processing's (:meth:`advance`).
+
+    mass: float64 ``[s, max_children]``, the mass after removing each node's ``k``-th child, known for ``k <
+    known``; q: this rank's columns of the shared q after the known removals."""
+
+    def __init__(self, c, nodes: _Nodes, shard: VocabShard):
+        kids = nodes.kids
+        self.x = torch.where(kids >= 0, c.x[nodes.b[:, None], kids.clamp(min=0)], -1)  # each child's token
+        self.q = c.q[nodes.b, kids[:, 0]]
+        self.mass = torch.zeros(kids.shape, dtype=torch.float64, device=kids.device)
+        self.known, self.shard = 0, shard
+
+    def advance(self, steps: int) -> Task[None]:
+        """The next ``steps`` masses, one a round (none past the second-to-last child: the last's is never read)."""
+        for _ in range(min(steps, self.x.shape[1] - 1 - self.known)):
+            zeroed = _zero_at(self.q, self.x[:, self.known], self.shard)
+            got = yield [row_mass(zeroed)]
+            mass = got.parts[0].sum(0)
+            self.mass[:, self.known] = mass
+            self.q = divide_by(zeroed, mass[:, None])
+            self.known += 1
+
+    def mass_after(self, act: Tensor, k: Tensor) -> Task[Tensor]:
+        """float64 ``[a]``: the masses after nodes ``act`` remove their ``k``-th children (int64 ``[a]``), with the
+        rounds not yet taken; 0 for a last child (never read)."""
+        need = k[k < self.x.shape[1] - 1]
+        if need.numel():
+            yield from self.advance(int(need.max()) + 1 - self.known)
+        return torch.where(k < self.x.shape[1] - 1, self.mass[act, k.clamp(max=self.x.shape[1] - 1)], 0.0)
+
+
+def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | None,
+                shard: VocabShard) -> Task[tuple[Rows, _Compact] | None]:
+    """The rows as every rank holds them whole, and :class:`_Compact` for the walk: every present row, and at each
+    parent's entries each child's q (i.i.d.) or the children's shared q (without replacement: ``shared``)
+    (:func:`_entries`; ``bad``: whether some rank's q of a child holds a value below 0 or NaN); or None."""
     b, kids = nodes.b, nodes.kids
     R = target.probs.shape[0]
     held = _all_held(target, R)
     if not b.numel() and not held:  # no node has children: the draw is the only round, as on the shards
         return None
     rows, every = nodes.row(b, nodes.v), torch.arange(R, device=b.device)
-    at = (kids >= 0).nonzero(as_tuple=True)  # every child: (its parent's slot, its sibling rank)
-    got = yield from _entries(target, every, c.q.flatten(0, 1), b[at[0]] * c.N + kids[at], rows[at[0]], bad, shard)
+    if shared is None:
+        at = (kids >= 0).nonzero(as_tuple=True)  # every child: (its parent's slot, its sibling rank)
+        q_rows, q_of = b[at[0]] * c.N + kids[at], rows[at[0]]
+    else:
+        q_rows, q_of = b * c.N + kids[:, 0], rows
+    got = yield from _entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard)
     if got is None:
         return None
     probs, ids, q_at = got
-    q = torch.zeros(*kids.shape, ids.shape[1], device=ids.device)
-    q[at] = q_at
+    if shared is None:
+        q = torch.zeros(*kids.shape, ids.shape[1], device=ids.device)
+        q[at] = q_at
+    else:
+        q = q_at
     if not held:
         target = replace(target, part=Part(None, ids, probs), part_rows=every)
-    return target, _Compact(ids[rows], q)
+    return target, _Compact(ids[rows], q, shared)
 
 
 HELD_WIDTH = 64  # the most nonzero probabilities of a row on a rank that _entries gathers (under 1 KiB a row)
@@ -357,7 +417,7 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
     # each node's current residual, updated in place: over its candidates with ``compact``, else its shard's columns
     r = _held(target, nodes.row(b, nodes.v))[0] if compact is not None else target.probs[nodes.row(b, nodes.v)]
     lo, hi = target.lo[:, nodes.row(b, nodes.v)], target.hi[:, nodes.row(b, nodes.v)]
-    q_state = c.q[b, kids[:, 0]] if wo else None  # without replacement: the siblings' shared q
+    q_state = c.q[b, kids[:, 0]] if wo and compact is None else None  # without replacement: the shared q
     test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
     test_r[b, kids[:, 0]] = target.read
     test_q = q_at.clone()
@@ -372,10 +432,12 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
         nxt = kids[act, k + 1] if k + 1 < kids.shape[1] else torch.full_like(ck, -1)
         x_k, x_n = c.x[ba, ck], torch.where(nxt >= 0, c.x[ba, nxt.clamp(min=0)], -1)
         if compact is not None:
-            q = compact.q[act, k]
+            q = compact.q_of(act, k)
             residual = (r[act] - q).clamp_(min=0.0)
             total = row_mass(residual)
             r_n, q_n = (compact.value(t, act, x_n) for t in (r[act], q))
+            if wo:  # a round where the mass after this removal is not known yet
+                q_mass = yield from compact.remove(act, torch.full_like(act, k), x_k)
         else:
             q = q_state[act] if wo else c.q[ba, ck]
             residual = (r[act] - q).clamp_(min=0.0)
@@ -385,7 +447,7 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
             total = mass.sum(0)
             _renormalised_bounds(lo, hi, act, mass, count, total)
         r[act] = torch.where(total[:, None] > 0, divide_by(residual, total[:, None]), r[act])
-        if wo:
+        if wo and compact is None:
             q_state[act] = divide_by(zeroed, q_mass[:, None])
         more = nxt >= 0
         test_r[ba[more], nxt[more]] = torch.where(total > 0, divide_by((r_n - q_n).clamp(min=0.0), total), r_n)[more]
@@ -524,7 +586,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
     mb, lo, hi = target.probs[rows], target.lo[:, rows], target.hi[:, rows]
     if compact is not None:  # each node's Mb over its candidates (see _Compact)
         mb = _held(target, rows)[0]
-    ms = c.q[b, kids[:, 0]] if wo else None  # all children of a node share its q
+    ms = c.q[b, kids[:, 0]] if wo and compact is None else None  # all children of a node share its q
     a = torch.zeros(B, N, device=dev)
     done = torch.full((B, N), -1, dtype=torch.int64, device=dev)  # children deleted so far; -1: not pushed
     a[:, 0], done[:, 0] = 1.0, 0
@@ -562,9 +624,13 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
         x_k, x_n = c.x[ba, ck], torch.where(nxt >= 0, c.x[ba, nxt.clamp(min=0)], -1)
         a_u = a[ba, va]
         if compact is not None:
-            w = (a_u[:, None] * mb[act] - compact.q[act, j]).clamp_(min=0.0)
+            q = compact.q_of(act, j)
+            w = (a_u[:, None] * mb[act] - q).clamp_(min=0.0)
             total = row_mass(w)
             w_n, mb_n = (compact.value(t, act, x_n) for t in (w, mb[act]))
+            if wo:  # a round where the mass after this deletion is not known yet
+                ms_n = compact.value(q, act, x_n)
+                q_mass = yield from compact.remove(act, j, x_k)
         else:
             q = ms[act] if wo else c.q[ba, ck]
             w = (a_u[:, None] * mb[act] - q).clamp_(min=0.0)
@@ -579,7 +645,7 @@ def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
         # a = 0 (a node never accepted) stays 0, even where bad values (q < 0) give w mass
         a[ba, va] = torch.where((total > 0) & (a_u > 0), s / (s + 1 - a_u), 0.0)
         done[ba, va] = j + 1
-        if wo:
+        if wo and compact is None:
             ms[act] = divide_by(zeroed, q_mass[:, None])
         more = nxt >= 0
         mb_x[ba[more], nxt[more]] = torch.where(total > 0, divide_by(w_n, total), mb_n)[more]
