@@ -426,17 +426,24 @@ def settled(shard, g):
             q = p[:, torch.tensor(shape).clamp(min=0)]  # node i drafted from its parent's row
             drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
             rng = _philox(g, B)
-            for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
-                                     ("traversal", "without_replacement")):
-                with _held_width(-1):  # the walks over the shards' columns, whose residual rounds end early
-                    res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
-                                          draft_probs=_cut(q, shard), method=method, draft_sampling=sampling,
-                                          rng=rng, shard=shard)
-                ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=q, method=method,
-                                                 draft_sampling=sampling, rng=rng)
-                same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
-                out.append([f"{method}/{sampling} {shape}", kind, same, len(calls), res.num_accepted.tolist()])
+            for method, sampling in TREE_WALKS:  # the walks over the shards' columns, whose residual rounds end early
+                same, calls, accepted = _tree_walk(shard, x, drafts, tree_, params, q, method, sampling, rng, -1)
+                out.append([f"{method}/{sampling} {shape}", kind, same, len(calls), accepted])
     return out
+
+
+TREE_WALKS = tuple((m, d) for m in ("rrs", "traversal") for d in ("iid", "without_replacement"))
+
+
+def _tree_walk(shard, x, drafts, tree_, params, q, method: str, sampling: str, rng, width: int) -> tuple:
+    """verify_tree_from_logits on the shards (rows of at most ``width`` nonzero probabilities a rank gathered, see
+    :func:`_held_width`) against the one-device op: whether they agree, the collectives, the accepted counts."""
+    with _held_width(width):
+        res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
+                              draft_probs=_cut(q, shard), method=method, draft_sampling=sampling, rng=rng, shard=shard)
+    ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=q, method=method, draft_sampling=sampling,
+                                     rng=rng)
+    return _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist(), calls, res.num_accepted.tolist()
 
 
 _OUTSIDE = 7  # an id the compact scenarios keep out of every row's candidates
@@ -524,18 +531,10 @@ def nuclei(shard, g):
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
         widest = max(shape.count(i) for i in range(N))
         for kind, params, case, width, qb, rng in _narrow_cases(g, B, q, slice(1, None)):
-            for method, sampling in (("rrs", "iid"), ("traversal", "iid"), ("rrs", "without_replacement"),
-                                     ("traversal", "without_replacement")):
-                with _held_width(width):
-                    res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
-                                          draft_probs=_cut(qb, shard), method=method, draft_sampling=sampling,
-                                          rng=rng, shard=shard)
-                ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=qb, method=method,
-                                                 draft_sampling=sampling, rng=rng)
-                same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
+            for method, sampling in TREE_WALKS:
+                same, calls, accepted = _tree_walk(shard, x, drafts, tree_, params, qb, method, sampling, rng, width)
                 extra = max(widest - 3, 0) if sampling == "without_replacement" else 0
-                out.append([f"{method}/{sampling} {shape} {case}", kind, same, len(calls), res.num_accepted.tolist(),
-                            extra])
+                out.append([f"{method}/{sampling} {shape} {case}", kind, same, len(calls), accepted, extra])
     K = 4
     x = torch.randn(B, K + 1, V, generator=g) * 4
     q = (torch.softmax(x[:, :K], -1) + torch.softmax(torch.randn(B, K, V, generator=g), -1)) / 2
