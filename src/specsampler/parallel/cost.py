@@ -168,15 +168,15 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     kids = int((depth > 0).sum())
     rounds[0] += _b(kids, 4) + _b(1, 1)  # the children's q, and whether any is bad
     wo = sampling == "without_replacement"
-    parents, widest = int((children > 0).sum()), int(children.max())
+    parents, widest, surest = int((children > 0).sum()), int(children.max()), fewest_rounds(rp, V)
     if wo:  # walks._SharedQ: the shared q's masses in the processing's surest rounds
-        for i in range(min(widest - 1, fewest_rounds(rp, V))):
+        for i in range(min(widest - 1, surest)):
             rounds[i] += _b(parents, 8)
     C = _held_width(rp, V, world)
     if sampling == "iid" and C:  # walks._Compact: one round, then every rank alone
         return _rounds(rounds + ([_b(kids * C, 4)] if kids else [])), gather
     if C:  # and the shared q's masses not yet known, one a round (the most: a walk settled sooner ends them sooner)
-        rest = max(widest - 1 - fewest_rounds(rp, V), 0)
+        rest = max(widest - 1 - surest, 0)
         return _rounds(rounds + ([_b(parents * C, 4)] if parents else []) + [_b(parents, 8)] * rest), gather
     active = _active_per_round(method, tree, children)
     for a in active:

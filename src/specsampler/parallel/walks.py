@@ -169,7 +169,7 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
         held = yield from _candidates(c, nodes, target, bad, shared, shard)
         if held is not None:
             target, compact = held
-    return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact))
+    return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact, shared))
 
 
 class _Compact:
@@ -211,12 +211,13 @@ class _SharedQ:
     the drafts alone, not on the walk, so its first rounds ride in the processing's (:meth:`advance`).
 
     mass: float64 ``[s, max_children]``, the mass after removing each node's ``k``-th child, known for ``k <
-    known``; q: this rank's columns of the shared q after the known removals."""
+    known``; q: this rank's columns of the shared q after the known removals; first: before any (a walk on the
+    shards' columns starts from it and updates it in place, this sequence being done with it)."""
 
     def __init__(self, c, nodes: _Nodes, shard: VocabShard):
         kids = nodes.kids
         self.x = torch.where(kids >= 0, c.x[nodes.b[:, None], kids.clamp(min=0)], -1)  # each child's token
-        self.q = c.q[nodes.b, kids[:, 0]]
+        self.first = self.q = c.q[nodes.b, kids[:, 0]]  # advance() makes new tensors: first stays as it is
         self.mass = torch.zeros(kids.shape, dtype=torch.float64, device=kids.device)
         self.known, self.shard = 0, shard
 
@@ -406,18 +407,19 @@ def _residual_round(w: Tensor, zeroed: Tensor | None, at: list[Tensor], shard: V
     return out
 
 
-def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
-         compact: _Compact | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
+def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept, compact: _Compact | None,
+         shared: _SharedQ | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """Recursive rejection sampling: each node's residuals (one per rejected child, in sibling order) advance one
     a round for every node at once, the value each child is tested against riding in the round before (with
-    ``compact``, on every rank alone); then the walk, and one draw."""
+    ``compact``, on every rank alone; ``shared``: the shared q without replacement); then the walk, and one
+    draw."""
     B, N, dev = c.B, c.N, q_at.device
     wo = c.sampling == "without_replacement"
     b, kids = nodes.b, nodes.kids
     # each node's current residual, updated in place: over its candidates with ``compact``, else its shard's columns
     r = _held(target, nodes.row(b, nodes.v))[0] if compact is not None else target.probs[nodes.row(b, nodes.v)]
     lo, hi = target.lo[:, nodes.row(b, nodes.v)], target.hi[:, nodes.row(b, nodes.v)]
-    q_state = c.q[b, kids[:, 0]] if wo and compact is None else None  # without replacement: the shared q
+    q_state = shared.first if shared is not None and compact is None else None  # without replacement: the shared q
     test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
     test_r[b, kids[:, 0]] = target.read
     test_q = q_at.clone()
@@ -573,20 +575,21 @@ def _walk_down(c, ok: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return path, n, at
 
 
-def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept,
-               compact: _Compact | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
+def _traversal(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept, compact: _Compact | None,
+               shared: _SharedQ | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """Traversal verification: a node's state after each deletion of a child (``Mb``, ``a``, and without replacement
     ``Ms``) depends on the tree alone, not on the draws; so every node's states advance one a round, all nodes at
     once, each child pushed (its ``a``) as soon as its parent's state before it is known. Then the first node in
-    post-order whose test passes (the order the one-device walk tests them in) is accepted, and one draw."""
+    post-order whose test passes (the order the one-device walk tests them in) is accepted, and one draw.
+    ``compact``, ``shared``: as for :func:`_rrs`."""
     t, B, N, dev = c.tree, c.B, c.N, q_at.device
     wo = c.sampling == "without_replacement"
     b, v, kids = nodes.b, nodes.v, nodes.kids
     rows = nodes.row(b, v)
-    mb, lo, hi = target.probs[rows], target.lo[:, rows], target.hi[:, rows]
-    if compact is not None:  # each node's Mb over its candidates (see _Compact)
-        mb = _held(target, rows)[0]
-    ms = c.q[b, kids[:, 0]] if wo and compact is None else None  # all children of a node share its q
+    # each node's Mb, updated in place: over its entries with ``compact``, else its shard's columns
+    mb = _held(target, rows)[0] if compact is not None else target.probs[rows]
+    lo, hi = target.lo[:, rows], target.hi[:, rows]
+    ms = shared.first if shared is not None and compact is None else None  # all children of a node share its q
     a = torch.zeros(B, N, device=dev)
     done = torch.full((B, N), -1, dtype=torch.int64, device=dev)  # children deleted so far; -1: not pushed
     a[:, 0], done[:, 0] = 1.0, 0
