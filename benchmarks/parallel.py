@@ -5,10 +5,13 @@ its even shard of the target logits. For each op (the issue's table: sampling wi
 top-p; chain verification, token and target_only; tree verification, rrs and traversal on 8 nodes of depth 3; chain
 token and tree rrs with top-k + top-p, whose residuals run over the candidates every rank holds; chain token, tree
 rrs and traversal without replacement with top-p on peaked rows (logits 3x as spread: nuclei of a few tokens,
-gathered whole in one round); and greedy chain verification), per rank and call: the collectives (rounds, bytes
+gathered whole in one round); chain token and tree rrs at temperature 0.8 alone (every token weighs something: rows
+as wide as the shard, gathered whole where the link makes that cheaper than the walk's rounds); and greedy chain
+verification), per rank and call: the collectives (rounds, bytes
 each rank sends, counted by ``specsampler.parallel.count_collectives``) and the median time of
 
-- ``shard``: the rows processed on the shards, a few rounds of small collectives;
+- ``shard``: the rows processed on the shards, a few rounds of small collectives (its walks deciding as on NVLink
+  which rows' entries to gather whole: ``link="nvlink"``);
 - ``gather``: the rows (and masks, draft probabilities) all-gathered, then the one-device op (the same tokens:
   checked);
 - ``floor``: one read of the logits shard (a ``sum``), the least any op costs;
@@ -77,6 +80,7 @@ def _ops(shard, B: int, K: int, V: int, device) -> dict:
     x, q, xt, qt, peaked, peaked_t = cut(x), cut(q), cut(xt), cut(qt), cut(peaked), cut(peaked_t)
     rng = ss.Philox(torch.arange(B, device=device), 11)
     top_p, top_kp = ss.SamplingParams(top_p=0.9), ss.SamplingParams(top_k=50, top_p=0.9)
+    warm = ss.SamplingParams(temperature=0.8)  # every token weighs something: rows as wide as the shard
     sample, chain, verify_tree = (parallel.sample_from_logits, parallel.verify_chain_from_logits,
                                   parallel.verify_tree_from_logits)
     return {
@@ -91,10 +95,14 @@ def _ops(shard, B: int, K: int, V: int, device) -> dict:
             x, drafts, top_kp, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
         "verify_chain_from_logits target_only, top-k + top-p": lambda **kw: chain(
             x, drafts, top_kp, method="target_only", rng=rng, shard=shard, **kw).tokens,
+        "verify_chain_from_logits token, T 0.8": lambda **kw: chain(
+            x, drafts, warm, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
         "verify_chain_from_logits token, top-p 0.9, peaked rows": lambda **kw: chain(
             peaked, drafts, top_p, draft_probs=q, method="token", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits rrs iid, top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_p, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
+        "verify_tree_from_logits rrs iid, T 0.8": lambda **kw: verify_tree(
+            xt, dt, tree, warm, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits rrs iid, top-k 50 + top-p 0.9": lambda **kw: verify_tree(
             xt, dt, tree, top_kp, draft_probs=qt, method="rrs", rng=rng, shard=shard, **kw).tokens,
         "verify_tree_from_logits rrs iid, top-p 0.9, peaked rows": lambda **kw: verify_tree(
@@ -128,18 +136,20 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     shard = parallel.VocabShard.even(args.V)
     records = {}
     for op, call in _ops(shard, args.B, args.K, args.V, device).items():
-        assert torch.equal(call(strategy="shard"), call(strategy="gather")), op
+        assert torch.equal(call(strategy="shard", link="nvlink"), call(strategy="gather")), op
         records[op] = {}
         for strategy in ("shard", "gather"):
-            sent = _counted(call, strategy=strategy)
-            ms = _median_ms(lambda call=call, strategy=strategy: call(strategy=strategy), args.reps, sync)
+            # the shard path's walks gather wide rows' entries where the link makes that cheaper: as on NVLink
+            sent = _counted(call, strategy=strategy, link="nvlink")
+            ms = _median_ms(lambda call=call, strategy=strategy: call(strategy=strategy, link="nvlink"), args.reps,
+                            sync)
             records[op][strategy] = {"median_ms": ms, "rounds": len(sent), "bytes_sent": sum(sent),
                                      "bytes_per_round": sent}
         # what auto picks, on NVLink and on the group's default link: the strategy whose collectives it sent
         records[op]["auto"] = {}
         for name, link in (("nvlink", "nvlink"), ("default", None)):
             sent = _counted(call, strategy="auto", link=link)
-            records[op]["auto"][name] = "shard" if sent == records[op]["shard"]["bytes_per_round"] else "gather"
+            records[op]["auto"][name] = "gather" if sent == records[op]["gather"]["bytes_per_round"] else "shard"
     local = torch.randn(args.B, args.K + 1, shard.size, device=device)
     records["floor"] = {"median_ms": _median_ms(local.sum, args.reps, sync)}
     gathered = [None] * world

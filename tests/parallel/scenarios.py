@@ -12,7 +12,7 @@ import torch
 
 import specsampler as ss
 from specsampler import parallel
-from specsampler.parallel import walks
+from specsampler.parallel import cost, walks
 
 V = 37  # shards: even (ceil(V / world) per rank, the last fewer) and the uneven ones of SPLITS
 
@@ -52,14 +52,22 @@ def _cut(t: torch.Tensor, shard: parallel.VocabShard) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _held_width(width: int):
+def _held_width(width: int, by_link: bool = False):
     """Chain and tree verification gather rows of at most ``width`` nonzero probabilities a rank (-1: never, the
-    residuals on the shards' columns, as for rows wider than walks.HELD_WIDTH; at V = 37 every row is narrower)."""
-    old, walks.HELD_WIDTH = walks.HELD_WIDTH, width
+    walks on the shards' columns; at V = 37 every row is narrower than walks.HELD_WIDTH). ``by_link``: ``width``
+    stands for walks.HELD_WIDTH, and wider rows are gathered where the call's link makes that the cheaper
+    (walks.gathered_width)."""
+    old = walks.gathered_width, walks.HELD_WIDTH, cost._cheaper
+    if by_link:
+        walks.HELD_WIDTH = width
+    else:
+        walks.gathered_width = lambda *args: width
+    if width < 0:  # and the plans: the walk's rounds, never the entries' round
+        cost._cheaper = lambda link, world, walk, entries: walk
     try:
         yield
     finally:
-        walks.HELD_WIDTH = old
+        walks.gathered_width, walks.HELD_WIDTH, cost._cheaper = old
 
 
 def _counted(op, *args, **kwargs):
@@ -357,8 +365,6 @@ def rounds(shard, g):
     """Every op and method (shard strategy) for each kind of row: the collectives it sent, the bytes per round the
     cost model plans for it, what bounds its rounds (the top-p rows, a token verification's rejections, the tree),
     and whether it equals the one-device op."""
-    from specsampler.parallel import cost
-
     B, K = 6, 4
     out = []
     x, mask, q = _sampled_logits(g, B, K + 1), _mask(g, B, K + 1), _draft_probs(g, B, K)
@@ -381,10 +387,10 @@ def rounds(shard, g):
                 res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
                                       draft_probs=None if dp is None else _cut(dp, shard), method=method, rng=rng,
                                       vocab_mask=_cut(mask, shard), shard=shard)
+                plan = cost.chain_plan(method, False, rp, _cut(x, shard), None if dp is None else _cut(dp, shard),
+                                       _cut(mask, shard), shard, cost.link_of(None, shard))[0]
             ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=dp, method=method, rng=rng,
                                               vocab_mask=mask)
-            plan = cost.chain_plan(method, False, rp, _cut(x, shard), None if dp is None else _cut(dp, shard),
-                                   _cut(mask, shard), shard)[0]
             info = {"rejected": bool((res.num_accepted < K).any())}
             out.append([f"chain {method}", kind, top_p, info, calls, plan, _outcome(res) == _outcome(ref)])
         for shape in (BINARY, WIDE):
@@ -400,10 +406,11 @@ def rounds(shard, g):
                     res, calls = _counted(parallel.verify_tree_from_logits, _cut(xt, shard), dt, tree_, params,
                                           draft_probs=None if dp is None else _cut(dp, shard), method=method,
                                           draft_sampling=sampling, rng=rng, shard=shard)
+                    plan = cost.tree_plan(method, sampling, False, rp, tree_, _cut(xt, shard),
+                                          None if dp is None else _cut(dp, shard), None, shard,
+                                          cost.link_of(None, shard))[0]
                 ref = ss.verify_tree_from_logits(xt, dt, tree_, params, draft_probs=dp, method=method,
                                                  draft_sampling=sampling, rng=rng)
-                plan = cost.tree_plan(method, sampling, False, rp, tree_, _cut(xt, shard),
-                                      None if dp is None else _cut(dp, shard), None, shard)[0]
                 info = {"shape": shape, "depth": tree_.max_depth, "children": tree_.max_children}
                 same = _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist()
                 out.append([f"tree {method}/{sampling}", kind, top_p, info, calls, plan, same])
@@ -435,12 +442,15 @@ def settled(shard, g):
 TREE_WALKS = tuple((m, d) for m in ("rrs", "traversal") for d in ("iid", "without_replacement"))
 
 
-def _tree_walk(shard, x, drafts, tree_, params, q, method: str, sampling: str, rng, width: int) -> tuple:
-    """verify_tree_from_logits on the shards (rows of at most ``width`` nonzero probabilities a rank gathered, see
-    :func:`_held_width`) against the one-device op: whether they agree, the collectives, the accepted counts."""
-    with _held_width(width):
+def _tree_walk(shard, x, drafts, tree_, params, q, method: str, sampling: str, rng, width: int,
+               link: parallel.Link | None = None) -> tuple:
+    """verify_tree_from_logits on the shards (rows of at most ``width`` nonzero probabilities a rank gathered, and
+    with a ``link`` wider ones where it makes that cheaper: :func:`_held_width`) against the one-device op: whether
+    they agree, the collectives, the accepted counts."""
+    with _held_width(width, by_link=link is not None):
         res, calls = _counted(parallel.verify_tree_from_logits, _cut(x, shard), drafts, tree_, params,
-                              draft_probs=_cut(q, shard), method=method, draft_sampling=sampling, rng=rng, shard=shard)
+                              draft_probs=_cut(q, shard), method=method, draft_sampling=sampling, rng=rng, shard=shard,
+                              link=link)
     ref = ss.verify_tree_from_logits(x, drafts, tree_, params, draft_probs=q, method=method, draft_sampling=sampling,
                                      rng=rng)
     return _outcome(res) == _outcome(ref) and res.path.tolist() == ref.path.tolist(), calls, res.num_accepted.tolist()
@@ -498,17 +508,24 @@ def compact(shard, g):
     return out
 
 
+GATHERED_BY_LINK = "wider, on a latency-bound link"  # rows wider than the width gathered: the link says so
+
+
 def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice):
-    """For each kind of row and case of :func:`nuclei`: ``(kind, params, case, width, q, rng)``, the draft rows
-    ``q[:, drafted]`` given a value below 0 or NaN at _OUTSIDE in those cases."""
+    """For each kind of row and case of :func:`nuclei`: ``(kind, params, case, width, link, q, rng)``, the draft rows
+    ``q[:, drafted]`` given a value below 0 or NaN at _OUTSIDE in those cases; "wider": every row wider than the width
+    (0), gathered only where a link makes that cheaper (:func:`_held_width`)."""
     for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
         params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
-        for case, width, bad in (("held", walks.HELD_WIDTH, None), ("q below 0", walks.HELD_WIDTH, -0.5),
-                                 ("q NaN", walks.HELD_WIDTH, float("nan")), ("wider", 2, None)):
+        for case, width, link, bad in (("held", walks.HELD_WIDTH, None, None),
+                                       ("q below 0", walks.HELD_WIDTH, None, -0.5),
+                                       ("q NaN", walks.HELD_WIDTH, None, float("nan")), ("wider", 0, None, None),
+                                       (GATHERED_BY_LINK, 0, parallel.Link(1.0, 0.0), None),
+                                       ("wider, on a bandwidth-bound link", 0, parallel.Link(0.0, 1.0), None)):
             qb = q if bad is None else q.clone()
             if bad is not None:
                 qb[:, drafted, _OUTSIDE] = bad
-            yield kind, params, case, width, qb, _philox(g, B)
+            yield kind, params, case, width, link, qb, _philox(g, B)
 
 
 def nuclei(shard, g):
@@ -516,7 +533,8 @@ def nuclei(shard, g):
     parameters) with i.i.d. drafts from other distributions (rejections), on a root of eight children and wider and
     deeper trees, and chains: rrs and traversal (i.i.d. and without replacement), token and block with the rows
     gathered whole in one round after the processing; with a draft probability below 0 or NaN somewhere (the shard
-    path); with rows wider than the width gathered (here: a width of 2). Whether each equals the one-device op, its
+    path); with rows wider than the width gathered (here: a width of 0, and on a latency-only link, which
+    gathers them, and a bandwidth-only one, which does not). Whether each equals the one-device op, its
     collectives, accepted counts and the rounds it may take past the processing and one: without replacement, the
     shared q's masses past the processing's two rounds, one a round."""
     B = 6
@@ -530,20 +548,21 @@ def nuclei(shard, g):
         q = (torch.softmax(x[:, parent], -1) + 3 * torch.softmax(torch.randn(B, N, V, generator=g), -1)) / 4
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
         widest = max(shape.count(i) for i in range(N))
-        for kind, params, case, width, qb, rng in _narrow_cases(g, B, q, slice(1, None)):
+        for kind, params, case, width, link, qb, rng in _narrow_cases(g, B, q, slice(1, None)):
             for method, sampling in TREE_WALKS:
-                same, calls, accepted = _tree_walk(shard, x, drafts, tree_, params, qb, method, sampling, rng, width)
+                same, calls, accepted = _tree_walk(shard, x, drafts, tree_, params, qb, method, sampling, rng, width,
+                                                   link)
                 extra = max(widest - 3, 0) if sampling == "without_replacement" else 0
                 out.append([f"{method}/{sampling} {shape} {case}", kind, same, len(calls), accepted, extra])
     K = 4
     x = torch.randn(B, K + 1, V, generator=g) * 4
     q = (torch.softmax(x[:, :K], -1) + torch.softmax(torch.randn(B, K, V, generator=g), -1)) / 2
     drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
-    for kind, params, case, width, qb, rng in _narrow_cases(g, B, q, slice(None)):
+    for kind, params, case, width, link, qb, rng in _narrow_cases(g, B, q, slice(None)):
         for method in ("token", "block"):
-            with _held_width(width):
+            with _held_width(width, by_link=link is not None):
                 res, calls = _counted(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params,
-                                      draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard)
+                                      draft_probs=_cut(qb, shard), method=method, rng=rng, shard=shard, link=link)
             ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=qb, method=method, rng=rng)
             out.append([f"chain {method} {case}", kind, _outcome(res) == _outcome(ref), len(calls),
                         res.num_accepted.tolist(), 0])
@@ -616,7 +635,7 @@ def wide_auto(shard, g):
                 cut(x), drafts, params, draft_probs=cut(q), method="token", rng=rng, shard=s, **kw).tokens,
              ss.verify_chain_from_logits(x, drafts, params, draft_probs=q, method="token", rng=rng).tokens)):
         res, calls = _counted(call, strategy="auto", link=parallel.Link(0.0, 1.0))
-        _, shard_calls = _counted(call)
+        _, shard_calls = _counted(call, link=parallel.Link(0.0, 1.0))  # the same link: the same walk
         out.append([name, res.tolist() == ref.tolist(), calls, shard_calls])
     return out
 

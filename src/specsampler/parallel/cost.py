@@ -12,6 +12,7 @@ strategies read the shard about as often; ``gather`` then processes ``world`` ti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,19 @@ def link_of(link: str | Link | None, shard: VocabShard) -> Link:
 def choose(link: Link, world: int, shard: list[int], gather: list[int]) -> str:
     """``"shard"`` or ``"gather"``: the one whose rounds (bytes each rank sends per round) the link makes faster."""
     return "shard" if link.time(shard, world) <= link.time(gather, world) else "gather"
+
+
+def entries_width(link: Link, world: int, rows: int, q_rows: int, instead: int, later: int = 0) -> float:
+    """The most nonzero probabilities a rank may hold of a row for the walks to gather the rows' entries
+    (:func:`.walks._entries`: an id and a probability for each of ``rows`` rows, a draft probability for each of
+    ``q_rows``, 4 bytes each) and go on alone: where that round and the ``later`` rounds the walk then still takes
+    cost no more than the ``instead`` rounds of the walk on the shards' columns (their few bytes not counted): ``W``
+    with ``alpha (1 + later) + beta (world - 1) 4 (2 rows + q_rows) W <= alpha instead``. 0 where none."""
+    spare = (instead - 1 - later) * link.alpha
+    per_entry = link.beta * (world - 1) * 4 * (2 * rows + q_rows)
+    if spare <= 0:
+        return 0.0
+    return spare / per_entry if per_entry > 0 else math.inf
 
 
 _HEAD = 16  # every round's (start, size)
@@ -106,6 +120,18 @@ def _held_width(rp: RowParams, V: int, world: int) -> int:
     return min(k, world * min(V, k))
 
 
+def _entries(rows: int, q_rows: int, V: int, world: int) -> int:
+    """Bytes of :func:`.walks._entries`' round where a rank holds ``ceil(V / world)`` nonzero probabilities of each
+    row (the most an even split gives it)."""
+    per = -(-V // world)
+    return 2 * _b(rows * per, 4) + _b(q_rows * per, 4) + _b(1, 1)
+
+
+def _cheaper(link: Link, world: int, *options: list[int]) -> list[int]:
+    """The option (bytes per round) the link makes fastest: what the walks choose (:func:`entries_width`)."""
+    return min(options, key=lambda rounds: link.time(rounds, world))
+
+
 def _gather(V: int, world: int, *tensors: Tensor | None) -> list[int]:
     """One round of the tensors' rows, ``ceil(V / world)`` columns each."""
     per = -(-V // world)
@@ -127,9 +153,10 @@ def sample_plan(rp: RowParams, greedy: bool, num_logprobs: int, logits: Tensor, 
 
 
 def chain_plan(method: str, greedy: bool, rp: RowParams, logits: Tensor, q: Tensor | None, mask: Tensor | None,
-               shard: VocabShard) -> tuple[list[int], list[int]]:
+               shard: VocabShard, link: Link) -> tuple[list[int], list[int]]:
     """Bytes per round per rank of :func:`.ops.verify_chain_from_logits`: ``(shard, gather)``; a token verification
-    counted with a rejection (its residual's round)."""
+    counted with a rejection (its residual's round), its rows as wide as an even split makes them (the walk gathers
+    their entries where ``link`` makes that cheaper than the residual's round and the draw)."""
     V, world = shard.vocab_size, dist.get_world_size(shard.group)
     B, K1, _ = logits.shape
     K = K1 - 1
@@ -144,14 +171,19 @@ def chain_plan(method: str, greedy: bool, rp: RowParams, logits: Tensor, q: Tens
         return _rounds(rounds + [_b(B * (K if method == "block" else 1) * C, 4)]), gather
     if method == "target_only":
         rounds += [_draw(dense)] if dense else []
+    elif not K:
+        rounds += [_draw(B)]
     else:
-        rounds += ([_b(B * (K if method == "block" else 1), 8)] if K else []) + [_draw(B)]
+        residual = B * (K if method == "block" else 1)
+        entries = _entries(B * K1 if method == "block" else B, residual, V, world)
+        rounds += _cheaper(link, world, [_b(residual, 8), _draw(B)], [entries])
     return _rounds(rounds), gather
 
 
 def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, logits: Tensor, q: Tensor | None,
-              mask: Tensor | None, shard: VocabShard) -> tuple[list[int], list[int]]:
-    """Bytes per round per rank of :func:`.ops.verify_tree_from_logits`: ``(shard, gather)``."""
+              mask: Tensor | None, shard: VocabShard, link: Link) -> tuple[list[int], list[int]]:
+    """Bytes per round per rank of :func:`.ops.verify_tree_from_logits`: ``(shard, gather)``; the rows as wide as
+    an even split makes them (the walk gathers their entries where ``link`` makes that cheaper than its rounds)."""
     V, world = shard.vocab_size, dist.get_world_size(shard.group)
     B, N, _ = logits.shape
     gather = _gather(V, world, logits, None if mask is None else mask.expand_as(logits), q)
@@ -160,7 +192,7 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     parents, depth = tree.parents.cpu(), tree.depth.cpu()
     present = (depth >= 0).reshape(-1)
     rp = RowParams(*(f.cpu()[present] for f in (rp.temperature, rp.top_k, rp.top_p, rp.min_p)), rp.shared)
-    children = torch.zeros(B, N, dtype=torch.int64).scatter_add_(1, parents.clamp(min=0), (depth > 0).long())
+    children = _children(tree)
     if method == "target_only":
         rounds, dense = _process(rp, V, torch.zeros(int(present.sum()), dtype=torch.int64))
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
@@ -178,11 +210,23 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     if C:  # and the shared q's masses not yet known, one a round (the most: a walk settled sooner ends them sooner)
         rest = max(widest - 1 - surest, 0)
         return _rounds(rounds + ([_b(parents * C, 4)] if parents else []) + [_b(parents, 8)] * rest), gather
-    active = _active_per_round(method, tree, children)
-    for a in active:
-        rounds.append(2 * _b(a, 8) + (_b(a, 8) if wo else 0) + (2 + (method == "traversal" and wo)) * _b(a, 4))
-    rounds.append(_draw(B))
-    return _rounds(rounds), gather
+    walk = [2 * _b(a, 8) + (_b(a, 8) if wo else 0) + (2 + (method == "traversal" and wo)) * _b(a, 4)
+            for a in _active_per_round(method, tree, children)] + [_draw(B)]
+    # or walks._entries: every present row's entries, with each child's q (i.i.d.) or each parent's shared q there
+    entries = [_entries(int(present.sum()), parents if wo else kids, V, world)]
+    entries += [_b(parents, 8)] * (max(widest - 1 - surest, 0) if wo else 0)
+    return _rounds(rounds + _cheaper(link, world, walk, entries)), gather
+
+
+def _children(tree) -> Tensor:
+    """int64 ``[B, N]``: each node's number of children (read on the host)."""
+    parents, depth = tree.parents.cpu(), tree.depth.cpu()
+    return torch.zeros(parents.shape, dtype=torch.int64).scatter_add_(1, parents.clamp(min=0), (depth > 0).long())
+
+
+def walk_rounds(method: str, tree) -> int:
+    """The most residual rounds ``rrs`` or ``traversal`` take on the shards' columns (:func:`_active_per_round`)."""
+    return len(_active_per_round(method, tree, _children(tree)))
 
 
 def _active_per_round(method: str, tree, children: Tensor) -> list[int]:

@@ -109,12 +109,12 @@ def _gathered(shard: VocabShard, logits: Tensor, vocab_mask: Tensor | None, *mor
     return whole_rows(shard, rows + [t for t in more if t is not None])
 
 
-def _strategy(strategy: str, link, shard: VocabShard, plans) -> str:
-    """``strategy``, or for ``auto`` the one :mod:`.cost` predicts cheaper (``plans()``: the bytes each rank sends
-    per round with ``shard`` and with ``gather``; the same on every rank, so every rank chooses alike)."""
+def _strategy(strategy: str, link: cost.Link, shard: VocabShard, plans) -> str:
+    """``strategy``, or for ``auto`` the one :mod:`.cost` predicts cheaper on ``link`` (``plans()``: the bytes each
+    rank sends per round with ``shard`` and with ``gather``; the same on every rank, so every rank chooses alike)."""
     if strategy != "auto":
         return strategy
-    return cost.choose(cost.link_of(link, shard), dist.get_world_size(shard.group), *plans())
+    return cost.choose(link, dist.get_world_size(shard.group), *plans())
 
 
 def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng: Philox | None = None,
@@ -138,8 +138,8 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
     rp = _rows(op, params, B, 1, dev, full)
     if full:
         _agreed(op, shard, lambda: check_logits_values(op, "logits", logits), dev)
-    how = _strategy(strategy, link, shard, lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask,
-                                                                     shard))
+    how = _strategy(strategy, cost.link_of(link, shard), shard,
+                    lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask, shard))
     if how == "gather":
         x, *mask = _gathered(shard, logits, vocab_mask)
         return _sampling.sample_from_logits(x, params, rng, mask[0] if mask else None, num_logprobs)
@@ -200,8 +200,9 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     if full:
         _agreed(op, shard, lambda: (check_logits_values(op, "target_logits", target_logits),
                                     check_token_values(op, "draft_tokens", drafts, V)), dev)
-    how = _strategy(strategy, link, shard, lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask,
-                                                                    shard))
+    link = cost.link_of(link, shard)
+    how = _strategy(strategy, link, shard,
+                    lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask, shard, link))
     if how == "gather":
         x, *rest = _gathered(shard, target_logits, vocab_mask, q)
         mask = rest.pop(0) if vocab_mask is not None else None
@@ -216,7 +217,7 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     if B == 0:
         return _chain._result(c, torch.zeros(0, dtype=torch.int64, device=dev),
                               torch.zeros(0, dtype=torch.int64, device=dev), lambda: torch.zeros(0, device=dev))
-    return run(walks.verify_chain(c, x.reshape(B * K1, size).float(), rp, shard, u_draw, u_accept), shard, dev)
+    return run(walks.verify_chain(c, x.reshape(B * K1, size).float(), rp, shard, u_draw, u_accept, link), shard, dev)
 
 
 class _Argmaxes:
@@ -262,8 +263,9 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     if full:
         _agreed(op, shard, lambda: (check_logits_values(op, "target_logits", target_logits),
                                     check_token_values(op, "draft_tokens", drafts[tree.depth > 0], V)), dev)
+    link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard, lambda: cost.tree_plan(method, draft_sampling, greedy, rp, tree,
-                                                                   target_logits, q, vocab_mask, shard))
+                                                                   target_logits, q, vocab_mask, shard, link))
     if how == "gather":
         x, *rest = _gathered(shard, target_logits, vocab_mask, q)
         mask = rest.pop(0) if vocab_mask is not None else None
@@ -279,6 +281,6 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     if B == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         return _tree._finish(c, torch.zeros(0, tree.max_depth + 1, dtype=torch.int64, device=dev), empty, empty, None)
-    path, n, y_out = run(walks.verify_tree(c, x.reshape(B * N, size).float(), rp, shard, u_draw, u_accept), shard,
-                         dev)
+    path, n, y_out = run(walks.verify_tree(c, x.reshape(B * N, size).float(), rp, shard, u_draw, u_accept, link),
+                         shard, dev)
     return _tree._finish(c, path, n, y_out, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..params import RowParams
@@ -28,6 +29,7 @@ from ..verify.chain import (
     token_accepted,
 )
 from ..verify.walks import TreeInputs, _ratio, walk_draws
+from . import cost
 from .draws import draw, exact_masses, local, mass_and_count, normalised_bounds, owned_values, read
 from .process import fewest_rounds, process, sample
 from .rounds import Task, together
@@ -36,9 +38,10 @@ from .shard import VocabShard
 
 
 def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_draw: Tensor,
-                 u_accept: Tensor | None) -> Task[ChainResult]:
+                 u_accept: Tensor | None, link: cost.Link) -> Task[ChainResult]:
     """Sampled chain verification (``token``, ``block``, ``target_only``) of logits ``x`` float32 ``[B * (K+1),
-    shard.size]`` with the rows' parameters ``rp``; u_draw, u_accept: float32 ``[B, K+1]``, the streams' uniforms."""
+    shard.size]`` with the rows' parameters ``rp``; u_draw, u_accept: float32 ``[B, K+1]``, the streams' uniforms;
+    ``link``: the model that decides which rows are gathered whole (:func:`gathered_width`)."""
     B, K = c.B, c.K
     dev = x.device
     batch = torch.arange(B, device=dev)
@@ -55,7 +58,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
         n = _leading_run((draws[:, :K] == c.x) & c.usable)
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: expected_of(c, p_x, None))
     q_x, bad = q_read[0][0].view(B, K), q_read[1]
-    got = yield from _held_chain(c, target, p_x, q_x, bad, u_draw, u_accept, shard)  # rows held, or gathered
+    got = yield from _held_chain(c, target, p_x, q_x, bad, u_draw, u_accept, shard, link)  # rows held, or gathered
     if got is not None:
         return got
     p = target.probs.view(B, K + 1, -1)
@@ -91,9 +94,10 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
 
 
 def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_draw: Tensor, u_accept: Tensor,
-                shard: VocabShard) -> Task[ChainResult | None]:
+                shard: VocabShard, link: cost.Link) -> Task[ChainResult | None]:
     """``token`` and ``block`` where every rank holds the rows the residuals and the draw read whole, or can in one
-    round (:func:`_entries`: top-k rows; rows of few nonzero probabilities): a residual ``max(a p - q, 0)`` is 0
+    round (:func:`_entries`: top-k rows; rows of few nonzero probabilities, or more where ``link`` makes that round
+    cheaper than the two of the residual's masses and the draw): a residual ``max(a p - q, 0)`` is 0
     outside a row's entries, so that round reads the draft rows the residuals need there (``token``: the stop rows',
     none where every draft was accepted; ``block``: every position's) and the rest runs on every rank alone, the
     one-device arithmetic over the entries. None where a row is wider or, where q is read, ``bad`` (some rank's q
@@ -105,8 +109,10 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
         n = token_accepted(c, u_accept[:, 1:], p_x, q_x)
         rejected = n < c.num_drafts
         some = K and bool(rejected.any())  # the residual max(p - q, 0) where a draft was rejected
+        # on the shards' columns: the residual's masses (where some draft was rejected), then the draw
+        width = gathered_width(link, shard, B, B if some else 0, 2 if some else 1)
         got = yield from _entries(target, batch * (K + 1) + n, q, batch * K + n.clamp(max=K - 1) if some else
-                                  batch[:0], batch if some else batch[:0], bad, shard)
+                                  batch[:0], batch if some else batch[:0], bad, shard, width)
         if got is None:
             return None
         w, ids, q_stop = got
@@ -117,8 +123,9 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
     if not K:
         return None
     drafted = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)
+    width = gathered_width(link, shard, B * (K + 1), B * K, 2)  # on the shards: the residuals' masses, the draw
     got = yield from _entries(target, torch.arange(B * (K + 1), device=dev), q, torch.arange(B * K, device=dev),
-                              drafted, bad, shard)
+                              drafted, bad, shard, width)
     if got is None:
         return None
     probs, every_ids, q = got
@@ -136,10 +143,11 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
 
 
 def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_draw: Tensor,
-                u_accept: Tensor | None) -> Task[tuple[Tensor, Tensor, Tensor]]:
+                u_accept: Tensor | None, link: cost.Link) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """Sampled tree verification (``target_only``, ``rrs``, ``traversal``) of logits ``x`` float32 ``[B * N,
-    shard.size]`` (rows of absent nodes unread); u_draw, u_accept: float32 ``[B, N]``. Returns the walk's path
-    ``[B, D+1]``, accepted counts and emitted tokens, as :data:`specsampler.verify.walks.WALKS`."""
+    shard.size]`` (rows of absent nodes unread); u_draw, u_accept: float32 ``[B, N]``; ``link``: as for
+    :func:`verify_chain`. Returns the walk's path ``[B, D+1]``, accepted counts and emitted tokens, as
+    :data:`specsampler.verify.walks.WALKS`."""
     t = c.tree
     present = (t.depth >= 0).reshape(-1).nonzero()[:, 0]
     row_of = torch.full((c.B * c.N,), -1, dtype=torch.int64, device=x.device)
@@ -166,7 +174,7 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     walk = _rrs if c.method == "rrs" else _traversal
     compact = None
     if c.sampling == "iid" or shared is not None:  # the walk on every rank alone where the rows are held, or can be
-        held = yield from _candidates(c, nodes, target, bad, shared, shard)
+        held = yield from _candidates(c, nodes, target, bad, shared, shard, link)
         if held is not None:
             target, compact = held
     return (yield from walk(c, nodes, target, q_at, shard, u_draw, u_accept, compact, shared))
@@ -240,11 +248,12 @@ class _SharedQ:
         return torch.where(k < self.x.shape[1] - 1, self.mass[act, k.clamp(max=self.x.shape[1] - 1)], 0.0)
 
 
-def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | None,
-                shard: VocabShard) -> Task[tuple[Rows, _Compact] | None]:
+def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | None, shard: VocabShard,
+                link: cost.Link) -> Task[tuple[Rows, _Compact] | None]:
     """The rows as every rank holds them whole, and :class:`_Compact` for the walk: every present row, and at each
     parent's entries each child's q (i.i.d.) or the children's shared q (without replacement: ``shared``)
-    (:func:`_entries`; ``bad``: whether some rank's q of a child holds a value below 0 or NaN); or None."""
+    (:func:`_entries`, rows as wide as ``link`` makes cheaper than the walk's rounds on the shards' columns;
+    ``bad``: whether some rank's q of a child holds a value below 0 or NaN); or None."""
     b, kids = nodes.b, nodes.kids
     R = target.probs.shape[0]
     held = _all_held(target, R)
@@ -256,7 +265,10 @@ def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | No
         q_rows, q_of = b[at[0]] * c.N + kids[at], rows[at[0]]
     else:
         q_rows, q_of = b * c.N + kids[:, 0], rows
-    got = yield from _entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard)
+    # on the shards' columns: every residual round, then the draw; held, the shared q's masses not known yet
+    later = 0 if shared is None else max(kids.shape[1] - 1 - shared.known, 0)
+    width = gathered_width(link, shard, R, q_rows.numel(), cost.walk_rounds(c.method, c.tree) + 1, later)
+    got = yield from _entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard, width)
     if got is None:
         return None
     probs, ids, q_at = got
@@ -270,18 +282,27 @@ def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | No
     return target, _Compact(ids[rows], q, shared)
 
 
-HELD_WIDTH = 64  # the most nonzero probabilities of a row on a rank that _entries gathers (under 1 KiB a row)
+HELD_WIDTH = 64  # rows of at most this many nonzero probabilities a rank are gathered whatever the link: < 1 KiB
 
 
-def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor, bad: bool,
-             shard: VocabShard) -> Task[tuple[Tensor, Tensor, Tensor] | None]:
+def gathered_width(link: cost.Link, shard: VocabShard, rows: int, q_rows: int, instead: int, later: int = 0) -> float:
+    """The most nonzero probabilities a rank may hold of a row for :func:`_entries` to gather them: at least
+    :data:`HELD_WIDTH`, and more where ``link`` makes that round (``rows`` rows, ``q_rows`` draft rows) and the
+    ``later`` rounds the walk then still takes no slower than the ``instead`` rounds of the walk on the shards'
+    columns (:func:`.cost.entries_width`). The same on every rank."""
+    return max(HELD_WIDTH, cost.entries_width(link, dist.get_world_size(shard.group), rows, q_rows, instead, later))
+
+
+def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor, bad: bool, shard: VocabShard,
+             width: float) -> Task[tuple[Tensor, Tensor, Tensor] | None]:
     """The processed rows ``rows`` (int64 ``[n]``) as every rank then holds them whole: probabilities float32 ``[n,
     C]`` and ids int64 ``[n, C]`` (increasing, padded with id 0 at probability 0); and the draft rows ``q_rows``
     (int64 ``[a]``) of ``q`` ``[R, size]`` at the ids of ``rows[q_of]``, float32 ``[a, C]``.
 
     Top-k (or greedy) rows: every rank holds them already; one round reads the q values (:func:`_q_at`; none where
-    none is asked for). Other rows whose every rank holds at most :data:`HELD_WIDTH` nonzero probabilities (small
-    nuclei, min-p; every rank knows each rank's count from the processing, ``target.count``, so all decide alike):
+    none is asked for). Other rows whose every rank holds at most ``width`` nonzero probabilities (small nuclei,
+    min-p, or wider rows where :func:`gathered_width` says; every rank knows each rank's count from the processing,
+    ``target.count``, so all decide alike):
     one round gathers their nonzero entries from every rank, with the q values there (the rank holding an entry
     holds its q). Entries of no mass count: a residual's renormalisation can give them mass. None, without a round,
     where a row holds more, or where q values are asked for and ``bad`` (:func:`_bad`: a q below 0 or NaN on some
@@ -294,7 +315,7 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
             return probs, ids, probs.new_zeros(0, ids.shape[1])
         return probs, ids, (yield from _q_at(q, q_rows, ids[q_of], shard))
     W = int(target.count[:, rows].max()) if rows.numel() else 0
-    if not 0 < W <= HELD_WIDTH:  # too many (or no mass anywhere: the shard path is as short)
+    if not 0 < W <= width:  # too many (or no mass anywhere: the shard path is as short)
         return None
     dev, n = rows.device, rows.numel()
     sub = target.probs.index_select(0, rows)
@@ -315,20 +336,21 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     got = yield [ids, probs, values, (~fits.all()).to(dtype=torch.uint8)[None]]
     if bool(got.parts[3].any()):
         return None
-    V = shard.vocab_size
-    # every rank's entries of a row side by side, then in id order (the shards may be in any order), pads last
-    key, order = _side_by_side(torch.where(got.parts[0] >= 0, got.parts[0].long(), V)).sort(-1)
-    C = max(int((key < V).sum(-1).max()), 1)  # the most entries of a row
-    key, order = key[:, :C], order[:, :C]
-    real = key < V
-    probs = torch.where(real, _side_by_side(got.parts[1]).gather(1, order), 0.0)
-    values = torch.where(real[q_of], _side_by_side(got.parts[2]).gather(1, order[q_of]), 0.0)
-    return probs, torch.where(real, key, 0), values
-
-
-def _side_by_side(t: Tensor) -> Tensor:
-    """``[world, m, W]`` gathered -> ``[m, world * W]``: each row's entries from every rank, rank after rank."""
-    return t.permute(1, 0, 2).reshape(t.shape[1], t.shape[0] * t.shape[2])
+    # a rank's entries of a row are in id order at the front; the ranks' ids ranges are disjoint: each rank's go
+    # after those of the ranks holding lower ids (in whatever order the ranks hold their shards)
+    real = got.parts[0] >= 0  # [world, n, W]
+    count = real.sum(-1)
+    C = max(int(count.sum(0).max()), 1)  # the most entries of a row
+    at = got.layout.before(count)[..., None] + torch.arange(W, device=dev)  # each entry's place in its row
+    r, i, j = real.nonzero(as_tuple=True)
+    ids = torch.zeros(n, C, dtype=torch.int64, device=dev)
+    ids[i, at[r, i, j]] = got.parts[0][r, i, j].long()
+    probs = torch.zeros(n, C, device=dev)
+    probs[i, at[r, i, j]] = got.parts[1][r, i, j]
+    r, i, j = real[:, q_of].nonzero(as_tuple=True)
+    values = torch.zeros(q_rows.numel(), C, device=dev)
+    values[i, at[:, q_of][r, i, j]] = got.parts[2][r, i, j]
+    return probs, ids, values
 
 
 def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor]:
