@@ -302,17 +302,22 @@ def test_gather_and_auto_give_the_one_device_results(ranks):
 
 def test_walks_gather_rows_whose_entries_cost_less_than_the_rounds_they_save():
     """cost.entries_width: the widest rows (nonzero probabilities a rank) whose one round of entries and the rounds
-    the held walk still takes cost no more than the walk's rounds on the shards' columns."""
+    the held walk still takes cost no more than the walk's rounds on the shards' columns; any width where the rows'
+    whole columns (no ids) cost that little."""
     from specsampler.parallel import cost
 
-    link = parallel.Link(10.0, 1.0)
+    link, wide = parallel.Link(10.0, 1.0), 10**9
     # 2 rounds saved (4 instead of the entries' and one later): 20 s; an entry: 2 other ranks, 4 (2 * 2 + 1) bytes each
-    assert cost.entries_width(link, 3, rows=2, q_rows=1, instead=4, later=1) == 20 / 40
-    assert cost.entries_width(link, 3, rows=2, q_rows=1, instead=2, later=1) == 0.0  # no round saved
-    assert cost.entries_width(parallel.Link(1.0, 0.0), 2, rows=5, q_rows=5, instead=2) == float("inf")
-    assert cost.entries_width(parallel.Link(0.0, 1.0), 2, rows=5, q_rows=5, instead=9) == 0.0
+    assert cost.entries_width(link, 3, 2, 1, instead=4, later=1, columns=wide) == 20 / 40
+    assert cost.entries_width(link, 3, 2, 1, instead=2, later=1, columns=wide) == 0.0  # no round saved
+    assert cost.entries_width(parallel.Link(1.0, 0.0), 2, 5, 5, instead=2, later=0, columns=wide) == float("inf")
+    assert cost.entries_width(parallel.Link(0.0, 1.0), 2, 5, 5, instead=9, later=0, columns=wide) == 0.0
+    # one round saved, 100 s: whole columns of 4 (1 + 1) bytes fit up to 12 columns; past them, 100 / 12 entries
+    link = parallel.Link(100.0, 1.0)
+    assert cost.entries_width(link, 2, 1, 1, instead=2, later=0, columns=12) == float("inf")
+    assert cost.entries_width(link, 2, 1, 1, instead=2, later=0, columns=13) == 100 / 12
     # NVLink's defaults, a chain token at B = 32, TP 2, one round saved: rows of up to 15,625 entries a rank
-    assert round(cost.entries_width(parallel.LINKS["nvlink"], 2, 32, 32, 2)) == 15625
+    assert round(cost.entries_width(parallel.LINKS["nvlink"], 2, 32, 32, 2, 0, wide)) == 15625
 
 
 def test_auto_keeps_wide_rows_on_the_shards_when_bytes_cost(ranks):

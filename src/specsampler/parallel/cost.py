@@ -56,17 +56,20 @@ def choose(link: Link, world: int, shard: list[int], gather: list[int]) -> str:
     return "shard" if link.time(shard, world) <= link.time(gather, world) else "gather"
 
 
-def entries_width(link: Link, world: int, rows: int, q_rows: int, instead: int, later: int = 0) -> float:
+def entries_width(link: Link, world: int, rows: int, q_rows: int, instead: int, later: int, columns: int) -> float:
     """The most nonzero probabilities a rank may hold of a row for the walks to gather the rows' entries
     (:func:`.walks._entries`: an id and a probability for each of ``rows`` rows, a draft probability for each of
     ``q_rows``, 4 bytes each) and go on alone: where that round and the ``later`` rounds the walk then still takes
     cost no more than the ``instead`` rounds of the walk on the shards' columns (their few bytes not counted): ``W``
-    with ``alpha (1 + later) + beta (world - 1) 4 (2 rows + q_rows) W <= alpha instead``. 0 where none."""
+    with ``alpha (1 + later) + beta (world - 1) 4 (2 rows + q_rows) W <= alpha instead``; any width where the
+    rows' whole ``columns`` (the widest shard's, 4 bytes a value, no ids) fit instead. 0 where none."""
     spare = (instead - 1 - later) * link.alpha
-    per_entry = link.beta * (world - 1) * 4 * (2 * rows + q_rows)
+    per_byte = link.beta * (world - 1)
     if spare <= 0:
         return 0.0
-    return spare / per_entry if per_entry > 0 else math.inf
+    if per_byte * 4 * (rows + q_rows) * columns <= spare:
+        return math.inf
+    return spare / (per_byte * 4 * (2 * rows + q_rows))
 
 
 _HEAD = 16  # every round's (start, size)
@@ -122,9 +125,9 @@ def _held_width(rp: RowParams, V: int, world: int) -> int:
 
 def _entries(rows: int, q_rows: int, V: int, world: int) -> int:
     """Bytes of :func:`.walks._entries`' round where a rank holds ``ceil(V / world)`` nonzero probabilities of each
-    row (the most an even split gives it)."""
+    row (the most an even split gives it): the whole columns (:func:`.walks._columns`)."""
     per = -(-V // world)
-    return 2 * _b(rows * per, 4) + _b(q_rows * per, 4) + _b(1, 1)
+    return _b(rows * per, 4) + _b(q_rows * per, 4)
 
 
 def _cheaper(link: Link, world: int, *options: list[int]) -> list[int]:

@@ -110,7 +110,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
         rejected = n < c.num_drafts
         some = K and bool(rejected.any())  # the residual max(p - q, 0) where a draft was rejected
         # on the shards' columns: the residual's masses (where some draft was rejected), then the draw
-        width = gathered_width(link, shard, B, B if some else 0, 2 if some else 1)
+        width = gathered_width(link, shard, target, B, B if some else 0, 2 if some else 1)
         got = yield from _entries(target, batch * (K + 1) + n, q, batch * K + n.clamp(max=K - 1) if some else
                                   batch[:0], batch if some else batch[:0], bad, shard, width)
         if got is None:
@@ -123,7 +123,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
     if not K:
         return None
     drafted = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)
-    width = gathered_width(link, shard, B * (K + 1), B * K, 2)  # on the shards: the residuals' masses, the draw
+    width = gathered_width(link, shard, target, B * (K + 1), B * K, 2)  # on the shards: residuals' masses, draw
     got = yield from _entries(target, torch.arange(B * (K + 1), device=dev), q, torch.arange(B * K, device=dev),
                               drafted, bad, shard, width)
     if got is None:
@@ -267,7 +267,7 @@ def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | No
         q_rows, q_of = b * c.N + kids[:, 0], rows
     # on the shards' columns: every residual round, then the draw; held, the shared q's masses not known yet
     later = 0 if shared is None else max(kids.shape[1] - 1 - shared.known, 0)
-    width = gathered_width(link, shard, R, q_rows.numel(), cost.walk_rounds(c.method, c.tree) + 1, later)
+    width = gathered_width(link, shard, target, R, q_rows.numel(), cost.walk_rounds(c.method, c.tree) + 1, later)
     got = yield from _entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard, width)
     if got is None:
         return None
@@ -285,12 +285,15 @@ def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | No
 HELD_WIDTH = 64  # rows of at most this many nonzero probabilities a rank are gathered whatever the link: < 1 KiB
 
 
-def gathered_width(link: cost.Link, shard: VocabShard, rows: int, q_rows: int, instead: int, later: int = 0) -> float:
+def gathered_width(link: cost.Link, shard: VocabShard, target: Rows, rows: int, q_rows: int, instead: int,
+                   later: int = 0) -> float:
     """The most nonzero probabilities a rank may hold of a row for :func:`_entries` to gather them: at least
-    :data:`HELD_WIDTH`, and more where ``link`` makes that round (``rows`` rows, ``q_rows`` draft rows) and the
-    ``later`` rounds the walk then still takes no slower than the ``instead`` rounds of the walk on the shards'
-    columns (:func:`.cost.entries_width`). The same on every rank."""
-    return max(HELD_WIDTH, cost.entries_width(link, dist.get_world_size(shard.group), rows, q_rows, instead, later))
+    :data:`HELD_WIDTH`, and more where ``link`` makes that round (``rows`` rows of ``target``, ``q_rows`` draft rows)
+    and the ``later`` rounds the walk then still takes no slower than the ``instead`` rounds of the walk on the
+    shards' columns (:func:`.cost.entries_width`). The same on every rank."""
+    columns = int(target.layout.sizes.max())
+    return max(HELD_WIDTH, cost.entries_width(link, dist.get_world_size(shard.group), rows, q_rows, instead, later,
+                                              columns))
 
 
 def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor, bad: bool, shard: VocabShard,
@@ -304,7 +307,8 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     min-p, or wider rows where :func:`gathered_width` says; every rank knows each rank's count from the processing,
     ``target.count``, so all decide alike):
     one round gathers their nonzero entries from every rank, with the q values there (the rank holding an entry
-    holds its q). Entries of no mass count: a residual's renormalisation can give them mass. None, without a round,
+    holds its q), or their whole columns where those weigh no more (:func:`_columns`). Entries of no mass count: a
+    residual's renormalisation can give them mass. None, without a round,
     where a row holds more, or where q values are asked for and ``bad`` (:func:`_bad`: a q below 0 or NaN on some
     rank, whose ``max(a p - q, 0)`` would have mass outside the entries)."""
     if bad and q_rows.numel():
@@ -319,6 +323,10 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
         return None
     dev, n = rows.device, rows.numel()
     sub = target.probs.index_select(0, rows)
+    q_sel = q.index_select(0, q_rows)
+    widest = int(target.layout.sizes.max())
+    if widest * (n + q_rows.numel()) <= W * (2 * n + q_rows.numel()):  # no more bytes than the entries: no ids
+        return (yield from _columns(sub, q_sel, target.layout, widest))
     nz = sub != 0
     count = nz.sum(-1)
     b, col = nz.nonzero(as_tuple=True)  # in id order within a row
@@ -329,7 +337,6 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     ids[b, j] = (col + shard.start).int()
     probs = torch.zeros(n, W, device=dev)
     probs[b, j] = sub[b, col]
-    q_sel = q.index_select(0, q_rows)
     values = torch.zeros(q_rows.numel(), W, device=dev)
     if shard.size:
         values = torch.where(ids[q_of] >= 0, q_sel.gather(1, (ids[q_of].long() - shard.start).clamp(min=0)), 0.0)
@@ -351,6 +358,18 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     values = torch.zeros(q_rows.numel(), C, device=dev)
     values[i, at[:, q_of][r, i, j]] = got.parts[2][r, i, j]
     return probs, ids, values
+
+
+def _columns(probs: Tensor, q: Tensor, layout, widest: int) -> Task[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`_entries` by whole columns, where they weigh no more than the entries: rows ``probs`` ``[n, size]`` and
+    draft rows ``q`` ``[a, size]`` of every rank (each padded to the ``widest`` shard) side by side in id order, with
+    ids ``0..V-1``."""
+    pad = lambda t: torch.nn.functional.pad(t, (0, widest - t.shape[1]))  # noqa: E731
+    got = yield [pad(probs), pad(q)]
+    order, sizes = torch.argsort(layout.starts).tolist(), layout.sizes.tolist()  # read once: one sync
+    whole = [torch.cat([part[r, :, :sizes[r]] for r in order], -1) for part in got.parts]
+    ids = torch.arange(whole[0].shape[1], device=probs.device).expand_as(whole[0])
+    return whole[0], ids, whole[1]
 
 
 def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor]:
