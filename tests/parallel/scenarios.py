@@ -54,20 +54,21 @@ def _cut(t: torch.Tensor, shard: parallel.VocabShard) -> torch.Tensor:
 @contextlib.contextmanager
 def _held_width(width: int, by_link: bool = False):
     """Chain and tree verification gather rows of at most ``width`` nonzero probabilities a rank (-1: never, the
-    walks on the shards' columns; at V = 37 every row is narrower than walks.HELD_WIDTH). ``by_link``: ``width``
-    stands for walks.HELD_WIDTH, and wider rows are gathered where the call's link makes that the cheaper
-    (walks.gathered_width)."""
-    old = walks.gathered_width, walks.HELD_WIDTH, cost._cheaper
+    walks on the shards' columns, top-k rows' shared q's masses a round each, and the plans so; at V = 37 every row is
+    narrower than walks.HELD_WIDTH). ``by_link``: ``width`` stands for walks.HELD_WIDTH, and wider rows are gathered
+    where the call's link makes that the cheaper (walks.gathered_width)."""
+    old = walks.gathered_width, walks.HELD_WIDTH, cost._cheaper, cost.columns_cheaper
     if by_link:
         walks.HELD_WIDTH = width
     else:
         walks.gathered_width = lambda *args: width
-    if width < 0:  # and the plans: the walk's rounds, never the entries' round
+    if width < 0:  # the shared q's masses a round each, and the plans: the walk's rounds, never the entries' round
         cost._cheaper = lambda link, world, walk, entries: walk
+        cost.columns_cheaper = lambda *args: False
     try:
         yield
     finally:
-        walks.gathered_width, walks.HELD_WIDTH, cost._cheaper = old
+        walks.gathered_width, walks.HELD_WIDTH, cost._cheaper, cost.columns_cheaper = old
 
 
 def _counted(op, *args, **kwargs):
@@ -509,6 +510,7 @@ def compact(shard, g):
 
 
 GATHERED_BY_LINK = "wider, on a latency-bound link"  # rows wider than the width gathered: the link says so
+MASSES_A_ROUND = "held, on a bandwidth-bound link"  # without replacement the shared q's masses a round each
 
 
 def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice):
@@ -517,7 +519,8 @@ def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice):
     (0), gathered only where a link makes that cheaper (:func:`_held_width`)."""
     for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
         params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
-        for case, width, link, bad in (("held", walks.HELD_WIDTH, None, None),
+        for case, width, link, bad in (("held", walks.HELD_WIDTH, None, None), (MASSES_A_ROUND, walks.HELD_WIDTH,
+                                                                                 parallel.Link(0.0, 1.0), None),
                                        ("q below 0", walks.HELD_WIDTH, None, -0.5),
                                        ("q NaN", walks.HELD_WIDTH, None, float("nan")), ("wider", 0, None, None),
                                        (GATHERED_BY_LINK, 0, parallel.Link(1.0, 0.0), None),
@@ -535,8 +538,9 @@ def nuclei(shard, g):
     gathered whole in one round after the processing; with a draft probability below 0 or NaN somewhere (the shard
     path); with rows wider than the width gathered (here: a width of 0, and on a latency-only link, which
     gathers them, and a bandwidth-only one, which does not). Whether each equals the one-device op, its
-    collectives, accepted counts and the rounds it may take past the processing and one: without replacement, the
-    shared q's masses past the processing's two rounds, one a round."""
+    collectives, accepted counts and the rounds it may take past the processing and one: without replacement, on a
+    bandwidth-only link, the shared q's masses past the processing's two rounds, one a round (elsewhere its rows are
+    gathered whole beside the rows)."""
     B = 6
     out = []
     for shape in ([-1] + [0] * 8, WIDE, BINARY):
@@ -552,7 +556,9 @@ def nuclei(shard, g):
             for method, sampling in TREE_WALKS:
                 same, calls, accepted = _tree_walk(shard, x, drafts, tree_, params, qb, method, sampling, rng, width,
                                                    link)
-                extra = max(widest - 3, 0) if sampling == "without_replacement" else 0
+                # without replacement, held: the shared q's masses past the processing's a round each, unless the
+                # link makes its rows whole cheaper (here: on the default link, as V = 37 is short)
+                extra = max(widest - 3, 0) if sampling == "without_replacement" and case == MASSES_A_ROUND else 0
                 out.append([f"{method}/{sampling} {shape} {case}", kind, same, len(calls), accepted, extra])
     K = 4
     x = torch.randn(B, K + 1, V, generator=g) * 4

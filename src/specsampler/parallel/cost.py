@@ -63,13 +63,18 @@ def entries_width(link: Link, world: int, rows: int, q_rows: int, instead: int, 
     cost no more than the ``instead`` rounds of the walk on the shards' columns (their few bytes not counted): ``W``
     with ``alpha (1 + later) + beta (world - 1) 4 (2 rows + q_rows) W <= alpha instead``; any width where the
     rows' whole ``columns`` (the widest shard's, 4 bytes a value, no ids) fit instead. 0 where none."""
-    spare = (instead - 1 - later) * link.alpha
-    per_byte = link.beta * (world - 1)
-    if spare <= 0:
+    saved = instead - 1 - later
+    if saved <= 0:
         return 0.0
-    if per_byte * 4 * (rows + q_rows) * columns <= spare:
+    if columns_cheaper(link, world, rows + q_rows, columns, saved):
         return math.inf
-    return spare / (per_byte * 4 * (2 * rows + q_rows))
+    return saved * link.alpha / (link.beta * (world - 1) * 4 * (2 * rows + q_rows))
+
+
+def columns_cheaper(link: Link, world: int, rows: int, columns: int, rounds: int) -> bool:
+    """Whether ``rows`` rows of ``columns`` float32 values a rank, sent in a round taken anyway, cost no more than
+    ``rounds`` rounds."""
+    return link.beta * (world - 1) * 4 * rows * columns <= link.alpha * rounds
 
 
 _HEAD = 16  # every round's (start, size)
@@ -192,7 +197,7 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     gather = _gather(V, world, logits, None if mask is None else mask.expand_as(logits), q)
     if greedy:
         return [_b(B * N, 8)], gather
-    parents, depth = tree.parents.cpu(), tree.depth.cpu()
+    depth = tree.depth.cpu()
     present = (depth >= 0).reshape(-1)
     rp = RowParams(*(f.cpu()[present] for f in (rp.temperature, rp.top_k, rp.top_p, rp.min_p)), rp.shared)
     children = _children(tree)
@@ -210,14 +215,19 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     C = _held_width(rp, V, world)
     if sampling == "iid" and C:  # walks._Compact: one round, then every rank alone
         return _rounds(rounds + ([_b(kids * C, 4)] if kids else [])), gather
-    if C:  # and the shared q's masses not yet known, one a round (the most: a walk settled sooner ends them sooner)
-        rest = max(widest - 1 - surest, 0)
-        return _rounds(rounds + ([_b(parents * C, 4)] if parents else []) + [_b(parents, 8)] * rest), gather
+    # without replacement, held: the shared q's masses not yet known, one a round (the most: a walk settled sooner
+    # ends them sooner), or the shared q's rows whole beside the round that holds the rows (walks._SharedQ.gather)
+    rest, per = (max(widest - 1 - surest, 0) if wo else 0), -(-V // world)
+    whole = rest > 0 and columns_cheaper(link, world, parents, per, rest)
+    later = [_b(parents * per, 4) if whole else 0] + [_b(parents, 8)] * (0 if whole else rest)
+    if C:
+        return _rounds(rounds + (([_b(parents * C, 4) + later[0]] + later[1:]) if parents else [])), gather
     walk = [2 * _b(a, 8) + (_b(a, 8) if wo else 0) + (2 + (method == "traversal" and wo)) * _b(a, 4)
             for a in _active_per_round(method, tree, children)] + [_draw(B)]
+    if not parents:
+        return _rounds(rounds + walk), gather
     # or walks._entries: every present row's entries, with each child's q (i.i.d.) or each parent's shared q there
-    entries = [_entries(int(present.sum()), parents if wo else kids, V, world)]
-    entries += [_b(parents, 8)] * (max(widest - 1 - surest, 0) if wo else 0)
+    entries = [_entries(int(present.sum()), parents if wo else kids, V, world) + later[0]] + later[1:]
     return _rounds(rounds + _cheaper(link, world, walk, entries)), gather
 
 

@@ -32,7 +32,7 @@ from ..verify.walks import TreeInputs, _ratio, walk_draws
 from . import cost
 from .draws import draw, exact_masses, local, mass_and_count, normalised_bounds, owned_values, read
 from .process import fewest_rounds, process, sample
-from .rounds import Task, together
+from .rounds import Layout, Task, together
 from .rows import Rows
 from .shard import VocabShard
 
@@ -220,7 +220,8 @@ class _SharedQ:
 
     mass: float64 ``[s, max_children]``, the mass after removing each node's ``k``-th child, known for ``k <
     known``; q: this rank's columns of the shared q after the known removals; first: before any (a walk on the
-    shards' columns starts from it and updates it in place, this sequence being done with it)."""
+    shards' columns starts from it and updates it in place, this sequence being done with it). :meth:`gather` knows
+    them all in one round, where the link makes that cheaper than a round for each."""
 
     def __init__(self, c, nodes: _Nodes, shard: VocabShard):
         kids = nodes.kids
@@ -238,6 +239,18 @@ class _SharedQ:
             self.mass[:, self.known] = mass
             self.q = divide_by(zeroed, mass[:, None])
             self.known += 1
+
+    def gather(self, layout: Layout) -> Task[None]:
+        """Every mass of the sequence in one round: every rank's columns of the first q, so that every rank holds its
+        rows whole and takes the removals alone (exact sums: the masses the rounds would give, and the values)."""
+        got = yield [_padded(self.first, int(layout.sizes.max()))]
+        q = _whole_rows(got.parts[0], layout)
+        every = VocabShard(0, q.shape[1], self.shard.vocab_size)
+        for k in range(self.x.shape[1] - 1):
+            zeroed = _zero_at(q, self.x[:, k], every)
+            self.mass[:, k] = row_mass(zeroed)
+            q = divide_by(zeroed, self.mass[:, k, None])
+        self.q, self.known = q[:, self.shard.start:self.shard.end], self.x.shape[1] - 1
 
     def mass_after(self, act: Tensor, k: Tensor) -> Task[Tensor]:
         """float64 ``[a]``: the masses after nodes ``act`` remove their ``k``-th children (int64 ``[a]``), with the
@@ -265,10 +278,17 @@ def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | No
         q_rows, q_of = b[at[0]] * c.N + kids[at], rows[at[0]]
     else:
         q_rows, q_of = b * c.N + kids[:, 0], rows
-    # on the shards' columns: every residual round, then the draw; held, the shared q's masses not known yet
+    # held, the shared q's masses not known yet, a round each; or every one from its rows gathered whole beside
     later = 0 if shared is None else max(kids.shape[1] - 1 - shared.known, 0)
-    width = gathered_width(link, shard, target, R, q_rows.numel(), cost.walk_rounds(c.method, c.tree) + 1, later)
-    got = yield from _entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard, width)
+    widest, world = int(target.layout.sizes.max()), dist.get_world_size(shard.group)
+    whole_q = later > 0 and cost.columns_cheaper(link, world, b.numel(), widest, later)
+    # on the shards' columns: every residual round, then the draw
+    width = gathered_width(link, shard, target, R, q_rows.numel(), cost.walk_rounds(c.method, c.tree) + 1,
+                           0 if whole_q else later)
+    if not _gathers(target, every, q_rows, bad, width):
+        return None
+    got, *_ = yield from together(_entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard, width),
+                                  *([shared.gather(target.layout)] if whole_q else []))
     if got is None:
         return None
     probs, ids, q_at = got
@@ -311,16 +331,14 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     residual's renormalisation can give them mass. None, without a round,
     where a row holds more, or where q values are asked for and ``bad`` (:func:`_bad`: a q below 0 or NaN on some
     rank, whose ``max(a p - q, 0)`` would have mass outside the entries)."""
-    if bad and q_rows.numel():
+    if not _gathers(target, rows, q_rows, bad, width):
         return None
     if _all_held(target, target.probs.shape[0]):
         probs, ids = _held(target, rows)
         if not q_rows.numel():
             return probs, ids, probs.new_zeros(0, ids.shape[1])
         return probs, ids, (yield from _q_at(q, q_rows, ids[q_of], shard))
-    W = int(target.count[:, rows].max()) if rows.numel() else 0
-    if not 0 < W <= width:  # too many (or no mass anywhere: the shard path is as short)
-        return None
+    W = _most_entries(target, rows)
     dev, n = rows.device, rows.numel()
     sub = target.probs.index_select(0, rows)
     q_sel = q.index_select(0, q_rows)
@@ -360,16 +378,38 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     return probs, ids, values
 
 
-def _columns(probs: Tensor, q: Tensor, layout, widest: int) -> Task[tuple[Tensor, Tensor, Tensor]]:
+def _gathers(target: Rows, rows: Tensor, q_rows: Tensor, bad: bool, width: float) -> bool:
+    """Whether :func:`_entries` holds the rows ``rows`` (every rank decides alike, before any round): top-k rows, or
+    rows of at most ``width`` nonzero probabilities a rank (none: the shard path is as short); not where q values
+    are asked for and ``bad``."""
+    if bad and q_rows.numel():
+        return False
+    return _all_held(target, target.probs.shape[0]) or 0 < _most_entries(target, rows) <= width
+
+
+def _most_entries(target: Rows, rows: Tensor) -> int:
+    """The most nonzero probabilities a rank holds of one of the rows ``rows`` (``target.count``)."""
+    return int(target.count[:, rows].max()) if rows.numel() else 0
+
+
+def _columns(probs: Tensor, q: Tensor, layout: Layout, widest: int) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """:func:`_entries` by whole columns, where they weigh no more than the entries: rows ``probs`` ``[n, size]`` and
-    draft rows ``q`` ``[a, size]`` of every rank (each padded to the ``widest`` shard) side by side in id order, with
-    ids ``0..V-1``."""
-    pad = lambda t: torch.nn.functional.pad(t, (0, widest - t.shape[1]))  # noqa: E731
-    got = yield [pad(probs), pad(q)]
-    order, sizes = torch.argsort(layout.starts).tolist(), layout.sizes.tolist()  # read once: one sync
-    whole = [torch.cat([part[r, :, :sizes[r]] for r in order], -1) for part in got.parts]
+    draft rows ``q`` ``[a, size]`` of every rank side by side in id order, with ids ``0..V-1``."""
+    got = yield [_padded(probs, widest), _padded(q, widest)]
+    whole = [_whole_rows(part, layout) for part in got.parts]
     ids = torch.arange(whole[0].shape[1], device=probs.device).expand_as(whole[0])
     return whole[0], ids, whole[1]
+
+
+def _padded(t: Tensor, widest: int) -> Tensor:
+    """A rank's columns ``[r, size]`` padded with zeros to the widest shard's, as every rank sends them."""
+    return torch.nn.functional.pad(t, (0, widest - t.shape[1]))
+
+
+def _whole_rows(got: Tensor, layout: Layout) -> Tensor:
+    """Every rank's :func:`_padded` columns ``[world, r, widest]`` as whole rows ``[r, V]``, in id order."""
+    order, sizes = torch.argsort(layout.starts).tolist(), layout.sizes.tolist()  # read once: one sync
+    return torch.cat([got[r, :, :sizes[r]] for r in order], -1)
 
 
 def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor]:
