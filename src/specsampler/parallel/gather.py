@@ -23,12 +23,7 @@ def whole_rows(shard: VocabShard, tensors: list[Tensor]) -> list[Tensor]:
         extra = exchange(shard, [_columns(t, per, more) for t in tensors])
         for p, e in zip(parts, extra.parts):
             p.append(e)
-    order, width = torch.argsort(got.layout.starts).tolist(), sizes.tolist()  # read once: one sync, not one a rank
-    out = []
-    for p in parts:
-        cols = torch.cat(p, -1)  # [world, ..., columns sent]
-        out.append(torch.cat([cols[r, ..., : width[r]] for r in order], -1))
-    return out
+    return [got.layout.whole(torch.cat(p, -1)) for p in parts]  # each [world, ..., columns sent]
 
 
 def _columns(t: Tensor, start: int, n: int) -> Tensor:

@@ -44,6 +44,12 @@ class Layout:
         inside = (ids[..., None] >= self.starts) & (ids[..., None] < self.starts + self.sizes)
         return inside.long().argmax(-1)
 
+    def whole(self, columns: Tensor) -> Tensor:
+        """Every rank's columns ``[world, ..., >= its size]`` (the first ``size`` of each its own, the rest padding)
+        as whole rows ``[..., V]``, in id order."""
+        order, sizes = torch.argsort(self.starts).tolist(), self.sizes.tolist()  # read once: one sync
+        return torch.cat([columns[r, ..., :sizes[r]] for r in order], -1)
+
 
 @dataclass(frozen=True)
 class Gathered:

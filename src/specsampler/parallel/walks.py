@@ -244,7 +244,7 @@ class _SharedQ:
         """Every mass of the sequence in one round: every rank's columns of the first q, so that every rank holds its
         rows whole and takes the removals alone (exact sums: the masses the rounds would give, and the values)."""
         got = yield [_padded(self.first, int(layout.sizes.max()))]
-        q = _whole_rows(got.parts[0], layout)
+        q = layout.whole(got.parts[0])
         every = VocabShard(0, q.shape[1], self.shard.vocab_size)
         for k in range(self.x.shape[1] - 1):
             zeroed = _zero_at(q, self.x[:, k], every)
@@ -396,7 +396,7 @@ def _columns(probs: Tensor, q: Tensor, layout: Layout, widest: int) -> Task[tupl
     """:func:`_entries` by whole columns, where they weigh no more than the entries: rows ``probs`` ``[n, size]`` and
     draft rows ``q`` ``[a, size]`` of every rank side by side in id order, with ids ``0..V-1``."""
     got = yield [_padded(probs, widest), _padded(q, widest)]
-    whole = [_whole_rows(part, layout) for part in got.parts]
+    whole = [layout.whole(part) for part in got.parts]
     ids = torch.arange(whole[0].shape[1], device=probs.device).expand_as(whole[0])
     return whole[0], ids, whole[1]
 
@@ -406,10 +406,6 @@ def _padded(t: Tensor, widest: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, widest - t.shape[1]))
 
 
-def _whole_rows(got: Tensor, layout: Layout) -> Tensor:
-    """Every rank's :func:`_padded` columns ``[world, r, widest]`` as whole rows ``[r, V]``, in id order."""
-    order, sizes = torch.argsort(layout.starts).tolist(), layout.sizes.tolist()  # read once: one sync
-    return torch.cat([got[r, :, :sizes[r]] for r in order], -1)
 
 
 def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor]:
