@@ -138,7 +138,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
     at = batch * K + tau.clamp(max=K - 1)
     residual = ((tau < c.num_drafts) & (mass[at] > 0))[:, None]  # the residual w_tau, else the bonus row p_tau
     stop = torch.where(residual, w[at], probs[bonus])
-    ids = torch.where(residual, every_ids[drafted][at], every_ids[bonus])
+    ids = torch.where(residual, every_ids[drafted[at]], every_ids[bonus])  # rows indexed once: ids may be expanded
     return _result(c, tau, _held_draw(stop, ids, u_draw.gather(1, tau[:, None])[:, 0]), lambda: _block_expected(h))
 
 
