@@ -219,15 +219,16 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     # ends them sooner), or the shared q's rows whole beside the round that holds the rows (walks._SharedQ.gather)
     rest, per = (max(widest - 1 - surest, 0) if wo else 0), -(-V // world)
     whole = rest > 0 and columns_cheaper(link, world, parents, per, rest)
-    later = [_b(parents * per, 4) if whole else 0] + [_b(parents, 8)] * (0 if whole else rest)
+    # the bytes the shared q adds to the round that holds the rows, then its masses' rounds
+    shared_q = [_b(parents * per, 4) if whole else 0] + [_b(parents, 8)] * (0 if whole else rest)
     if C:
-        return _rounds(rounds + (([_b(parents * C, 4) + later[0]] + later[1:]) if parents else [])), gather
+        return _rounds(rounds + (([_b(parents * C, 4) + shared_q[0]] + shared_q[1:]) if parents else [])), gather
     walk = [2 * _b(a, 8) + (_b(a, 8) if wo else 0) + (2 + (method == "traversal" and wo)) * _b(a, 4)
             for a in _active_per_round(method, tree, children)] + [_draw(B)]
     if not parents:
         return _rounds(rounds + walk), gather
     # or walks._entries: every present row's entries, with each child's q (i.i.d.) or each parent's shared q there
-    entries = [_entries(int(present.sum()), parents if wo else kids, V, world) + later[0]] + later[1:]
+    entries = [_entries(int(present.sum()), parents if wo else kids, V, world) + shared_q[0]] + shared_q[1:]
     return _rounds(rounds + _cheaper(link, world, walk, entries)), gather
 
 

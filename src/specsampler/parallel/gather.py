@@ -16,11 +16,9 @@ def whole_rows(shard: VocabShard, tensors: list[Tensor]) -> list[Tensor]:
     :meth:`VocabShard.even` splits), the columns past that in a second round otherwise."""
     per = -(-shard.vocab_size // dist.get_world_size(shard.group))
     got = exchange(shard, [_columns(t, 0, per) for t in tensors])
-    sizes = got.layout.sizes
     parts = [[p] for p in got.parts]
-    if bool((sizes > per).any()):  # an uneven split: the rest of the longer shards
-        more = int(sizes.max()) - per
-        extra = exchange(shard, [_columns(t, per, more) for t in tensors])
+    if got.layout.widest > per:  # an uneven split: the rest of the longer shards
+        extra = exchange(shard, [_columns(t, per, got.layout.widest - per) for t in tensors])
         for p, e in zip(parts, extra.parts):
             p.append(e)
     return [got.layout.whole(torch.cat(p, -1)) for p in parts]  # each [world, ..., columns sent]

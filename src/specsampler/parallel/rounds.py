@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
@@ -43,6 +44,11 @@ class Layout:
         """int64 ``[...]``: the rank holding each global id."""
         inside = (ids[..., None] >= self.starts) & (ids[..., None] < self.starts + self.sizes)
         return inside.long().argmax(-1)
+
+    @cached_property
+    def widest(self) -> int:
+        """The most ids a rank holds (read on the host once)."""
+        return int(self.sizes.max())
 
     def whole(self, columns: Tensor) -> Tensor:
         """Every rank's columns ``[world, ..., >= its size]`` (the first ``size`` of each its own, the rest padding)

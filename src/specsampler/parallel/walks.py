@@ -111,8 +111,11 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
         some = K and bool(rejected.any())  # the residual max(p - q, 0) where a draft was rejected
         # on the shards' columns: the residual's masses (where some draft was rejected), then the draw
         width = gathered_width(link, shard, target, B, B if some else 0, 2 if some else 1)
-        got = yield from _entries(target, batch * (K + 1) + n, q, batch * K + n.clamp(max=K - 1) if some else
-                                  batch[:0], batch if some else batch[:0], bad, shard, width)
+        stop, q_rows, q_of = batch * (K + 1) + n, batch * K + n.clamp(max=K - 1), batch
+        if not some:
+            q_rows, q_of = batch[:0], batch[:0]
+        W = _entries_width(target, stop, q_rows, bad, width)
+        got = None if W is None else (yield from _entries(target, stop, q, q_rows, q_of, shard, W))
         if got is None:
             return None
         w, ids, q_stop = got
@@ -124,8 +127,9 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
         return None
     drafted = (batch[:, None] * (K + 1) + torch.arange(K, device=dev)).reshape(-1)
     width = gathered_width(link, shard, target, B * (K + 1), B * K, 2)  # on the shards: residuals' masses, draw
-    got = yield from _entries(target, torch.arange(B * (K + 1), device=dev), q, torch.arange(B * K, device=dev),
-                              drafted, bad, shard, width)
+    every, q_rows = torch.arange(B * (K + 1), device=dev), torch.arange(B * K, device=dev)
+    W = _entries_width(target, every, q_rows, bad, width)
+    got = None if W is None else (yield from _entries(target, every, q, q_rows, drafted, shard, W))
     if got is None:
         return None
     probs, every_ids, q = got
@@ -241,12 +245,13 @@ class _SharedQ:
             self.known += 1
 
     def gather(self, layout: Layout) -> Task[None]:
-        """Every mass of the sequence in one round: every rank's columns of the first q, so that every rank holds its
-        rows whole and takes the removals alone (exact sums: the masses the rounds would give, and the values)."""
-        got = yield [_padded(self.first, int(layout.sizes.max()))]
+        """Every mass not yet known in one round: every rank's columns of the shared q after the known removals, so
+        that every rank holds its rows whole and takes the later removals alone (exact sums: the masses the rounds
+        would give, and the values)."""
+        got = yield [_padded(self.q, layout.widest)]
         q = layout.whole(got.parts[0])
         every = VocabShard(0, q.shape[1], self.shard.vocab_size)
-        for k in range(self.x.shape[1] - 1):
+        for k in range(self.known, self.x.shape[1] - 1):
             zeroed = _zero_at(q, self.x[:, k], every)
             self.mass[:, k] = row_mass(zeroed)
             q = divide_by(zeroed, self.mass[:, k, None])
@@ -280,14 +285,15 @@ def _candidates(c, nodes: _Nodes, target: Rows, bad: bool, shared: _SharedQ | No
         q_rows, q_of = b * c.N + kids[:, 0], rows
     # held, the shared q's masses not known yet, a round each; or every one from its rows gathered whole beside
     later = 0 if shared is None else max(kids.shape[1] - 1 - shared.known, 0)
-    widest, world = int(target.layout.sizes.max()), dist.get_world_size(shard.group)
-    whole_q = later > 0 and cost.columns_cheaper(link, world, b.numel(), widest, later)
+    world = dist.get_world_size(shard.group)
+    whole_q = later > 0 and cost.columns_cheaper(link, world, b.numel(), target.layout.widest, later)
     # on the shards' columns: every residual round, then the draw
     width = gathered_width(link, shard, target, R, q_rows.numel(), cost.walk_rounds(c.method, c.tree) + 1,
                            0 if whole_q else later)
-    if not _gathers(target, every, q_rows, bad, width):
+    W = _entries_width(target, every, q_rows, bad, width)
+    if W is None:
         return None
-    got, *_ = yield from together(_entries(target, every, c.q.flatten(0, 1), q_rows, q_of, bad, shard, width),
+    got, *_ = yield from together(_entries(target, every, c.q.flatten(0, 1), q_rows, q_of, shard, W),
                                   *([shared.gather(target.layout)] if whole_q else []))
     if got is None:
         return None
@@ -311,40 +317,33 @@ def gathered_width(link: cost.Link, shard: VocabShard, target: Rows, rows: int, 
     :data:`HELD_WIDTH`, and more where ``link`` makes that round (``rows`` rows of ``target``, ``q_rows`` draft rows)
     and the ``later`` rounds the walk then still takes no slower than the ``instead`` rounds of the walk on the
     shards' columns (:func:`.cost.entries_width`). The same on every rank."""
-    columns = int(target.layout.sizes.max())
     return max(HELD_WIDTH, cost.entries_width(link, dist.get_world_size(shard.group), rows, q_rows, instead, later,
-                                              columns))
+                                              target.layout.widest))
 
 
-def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor, bad: bool, shard: VocabShard,
-             width: float) -> Task[tuple[Tensor, Tensor, Tensor] | None]:
+def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor, shard: VocabShard,
+             W: int) -> Task[tuple[Tensor, Tensor, Tensor] | None]:
     """The processed rows ``rows`` (int64 ``[n]``) as every rank then holds them whole: probabilities float32 ``[n,
     C]`` and ids int64 ``[n, C]`` (increasing, padded with id 0 at probability 0); and the draft rows ``q_rows``
-    (int64 ``[a]``) of ``q`` ``[R, size]`` at the ids of ``rows[q_of]``, float32 ``[a, C]``.
+    (int64 ``[a]``) of ``q`` ``[R, size]`` at the ids of ``rows[q_of]``, float32 ``[a, C]``. ``W``: what
+    :func:`_entries_width` says of these rows.
 
     Top-k (or greedy) rows: every rank holds them already; one round reads the q values (:func:`_q_at`; none where
-    none is asked for). Other rows whose every rank holds at most ``width`` nonzero probabilities (small nuclei,
-    min-p, or wider rows where :func:`gathered_width` says; every rank knows each rank's count from the processing,
-    ``target.count``, so all decide alike):
-    one round gathers their nonzero entries from every rank, with the q values there (the rank holding an entry
-    holds its q), or their whole columns where those weigh no more (:func:`_columns`). Entries of no mass count: a
-    residual's renormalisation can give them mass. None, without a round,
-    where a row holds more, or where q values are asked for and ``bad`` (:func:`_bad`: a q below 0 or NaN on some
-    rank, whose ``max(a p - q, 0)`` would have mass outside the entries)."""
-    if not _gathers(target, rows, q_rows, bad, width):
-        return None
+    none is asked for). Other rows, every rank holding at most ``W`` nonzero probabilities of each: one round
+    gathers their nonzero entries from every rank, with the q values there (the rank holding an entry holds its q),
+    or their whole columns where those weigh no more (:func:`_columns`). Entries of no mass count: a residual's
+    renormalisation can give them mass. None where a rank held more than ``target.count`` said (never: the flag
+    sent falls back)."""
     if _all_held(target, target.probs.shape[0]):
         probs, ids = _held(target, rows)
         if not q_rows.numel():
             return probs, ids, probs.new_zeros(0, ids.shape[1])
         return probs, ids, (yield from _q_at(q, q_rows, ids[q_of], shard))
-    W = _most_entries(target, rows)
     dev, n = rows.device, rows.numel()
     sub = target.probs.index_select(0, rows)
     q_sel = q.index_select(0, q_rows)
-    widest = int(target.layout.sizes.max())
-    if widest * (n + q_rows.numel()) <= W * (2 * n + q_rows.numel()):  # no more bytes than the entries: no ids
-        return (yield from _columns(sub, q_sel, target.layout, widest))
+    if target.layout.widest * (n + q_rows.numel()) <= W * (2 * n + q_rows.numel()):  # no more bytes: no ids
+        return (yield from _columns(sub, q_sel, target.layout))
     nz = sub != 0
     count = nz.sum(-1)
     b, col = nz.nonzero(as_tuple=True)  # in id order within a row
@@ -378,24 +377,24 @@ def _entries(target: Rows, rows: Tensor, q: Tensor, q_rows: Tensor, q_of: Tensor
     return probs, ids, values
 
 
-def _gathers(target: Rows, rows: Tensor, q_rows: Tensor, bad: bool, width: float) -> bool:
-    """Whether :func:`_entries` holds the rows ``rows`` (every rank decides alike, before any round): top-k rows, or
-    rows of at most ``width`` nonzero probabilities a rank (none: the shard path is as short); not where q values
-    are asked for and ``bad``."""
+def _entries_width(target: Rows, rows: Tensor, q_rows: Tensor, bad: bool, width: float) -> int | None:
+    """Whether :func:`_entries` holds the rows ``rows`` (every rank decides alike, before any round), as its ``W``:
+    0 for top-k rows, else the most nonzero probabilities a rank holds of one of them (``target.count``), where at
+    most ``width`` (and some: else the shard path is as short); None where not, or where q values are asked for and
+    ``bad`` (:func:`_bad`: a q below 0 or NaN on some rank, whose ``max(a p - q, 0)`` would have mass outside the
+    entries)."""
     if bad and q_rows.numel():
-        return False
-    return _all_held(target, target.probs.shape[0]) or 0 < _most_entries(target, rows) <= width
+        return None
+    if _all_held(target, target.probs.shape[0]):
+        return 0
+    W = int(target.count[:, rows].max()) if rows.numel() else 0
+    return W if 0 < W <= width else None
 
 
-def _most_entries(target: Rows, rows: Tensor) -> int:
-    """The most nonzero probabilities a rank holds of one of the rows ``rows`` (``target.count``)."""
-    return int(target.count[:, rows].max()) if rows.numel() else 0
-
-
-def _columns(probs: Tensor, q: Tensor, layout: Layout, widest: int) -> Task[tuple[Tensor, Tensor, Tensor]]:
+def _columns(probs: Tensor, q: Tensor, layout: Layout) -> Task[tuple[Tensor, Tensor, Tensor]]:
     """:func:`_entries` by whole columns, where they weigh no more than the entries: rows ``probs`` ``[n, size]`` and
     draft rows ``q`` ``[a, size]`` of every rank side by side in id order, with ids ``0..V-1``."""
-    got = yield [_padded(probs, widest), _padded(q, widest)]
+    got = yield [_padded(probs, layout.widest), _padded(q, layout.widest)]
     whole = [layout.whole(part) for part in got.parts]
     ids = torch.arange(whole[0].shape[1], device=probs.device).expand_as(whole[0])
     return whole[0], ids, whole[1]
@@ -404,8 +403,6 @@ def _columns(probs: Tensor, q: Tensor, layout: Layout, widest: int) -> Task[tupl
 def _padded(t: Tensor, widest: int) -> Tensor:
     """A rank's columns ``[r, size]`` padded with zeros to the widest shard's, as every rank sends them."""
     return torch.nn.functional.pad(t, (0, widest - t.shape[1]))
-
-
 
 
 def _q_at(q: Tensor, rows: Tensor, ids: Tensor, shard: VocabShard) -> Task[Tensor]:
