@@ -237,7 +237,9 @@ def test_rows_of_few_probabilities_verify_any_tree_or_chain_in_one_round_after_t
     for name, kind, _, n, accepted, _ in results:  # the same rows otherwise: the same processing, then the shard path's
         call, case = next((c, name[len(c) + 1:]) for c, k in held if k == kind and name.startswith(c + " "))
         no_residual = call == "chain token" and min(accepted) == 4  # every draft accepted: the draw alone either way
-        if case not in ("held", scenarios.GATHERED_BY_LINK, scenarios.MASSES_A_ROUND) and not no_residual:
+        if case == scenarios.GATHERED_BY_LINK:  # the same processing and one round, as the rows held
+            assert n == held[call, kind], (name, kind, n)
+        elif case not in ("held", scenarios.MASSES_A_ROUND) and not no_residual:
             assert n > held[call, kind], (name, kind, n)
     assert any(a > 0 for *_, accepted, _ in ranks[0]["nuclei"] for a in accepted)  # walks past the root too
 
