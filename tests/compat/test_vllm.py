@@ -339,6 +339,27 @@ def test_fly_defers_an_uncertain_rejection_followed_by_accepted_drafts():
     assert standard(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids.tolist() == [[0, -1, -1, -1]]
 
 
+def test_lossy_modes_on_sampled_requests_of_unequal_draft_counts_take_each_requests_own_rows():
+    # the recovered tokens of sampled requests are drawn by sample_recovered_tokens, given the cumulative counts
+    # (2, 3 here: with the per-request counts it raised, as vLLM's own synthetic tests found)
+    drafts = [[1, 2], [3]]
+    logits = one_hot_logits([1, 2, 4, 3, 2]) * 10  # request 0: drafts 1 2, bonus 4; request 1: draft 3, bonus 2
+    sampled = metadata(temperature=torch.ones(2))  # p(draft) = 1 in float32: every draft accepted by vLLM's rule
+    fly = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="fly", fly_window_size=1,
+                                                        fly_entropy_threshold=0.3))
+    assert fly(spec_metadata(drafts), None, logits, sampled).sampled_token_ids.tolist() == [[1, 2, 4], [3, 2, -1]]
+    accept_all = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="synthetic",
+                                                                synthetic_acceptance_rates=[1.0, 1.0]))
+    out = accept_all(spec_metadata(drafts), None, logits, sampled).sampled_token_ids
+    assert out.tolist() == [[1, 2, 4], [3, 2, -1]]
+    reject_all = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="synthetic",
+                                                                synthetic_acceptance_rates=[0.0, 0.0]))
+    logits[0, 4] = logits[3, 0] = 50.0  # each first draft row: half its mass on the draft, half on another token
+    out = reject_all(spec_metadata(drafts), None, logits, sampled).sampled_token_ids
+    # one token each, from the request's own first residual max(p - q, 0) (q one-hot at the draft): 4, resp. 0
+    assert out.tolist() == [[4, -1, -1], [0, -1, -1]]
+
+
 # ------------------------------------------------------------------------------------- errors
 
 

@@ -498,8 +498,9 @@ def rejection_sample(
     greedy = _greedy_rows(sampling_metadata, B, dev)
     if synthetic_mode or fly_window_size is not None:
         rates = synthetic_conditional_rates if synthetic_mode else None
-        return _rejection_sample_lossy(chain, num_draft_tokens, draft_token_ids, draft_probs, target_logits, bonus,
-                                       greedy, sampling_metadata, rates, fly_window_size, fly_entropy_threshold)
+        return _rejection_sample_lossy(chain, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                       target_logits, bonus, greedy, sampling_metadata, rates, fly_window_size,
+                                       fly_entropy_threshold)
     n = chain.counts
     x = chain.pad(draft_token_ids.long(), 0)
     q = chain.pad(draft_probs.float(), 0.0) if draft_probs is not None else None
@@ -582,10 +583,10 @@ def _next_all(ok: Tensor, window: int) -> Tensor:
     return (before[:, pos + window + 1] - before[:, pos + 1]) == window
 
 
-def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], draft_token_ids: Tensor,
-                            draft_probs: Tensor | None, target_logits: Tensor, bonus: Tensor, greedy: Tensor,
-                            sampling_metadata: Any, rates: Tensor | None, fly_window: int | None,
-                            fly_threshold: float) -> Tensor:
+def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], cu_num_draft_tokens: Tensor,
+                            draft_token_ids: Tensor, draft_probs: Tensor | None, target_logits: Tensor,
+                            bonus: Tensor, greedy: Tensor, sampling_metadata: Any, rates: Tensor | None,
+                            fly_window: int | None, fly_threshold: float) -> Tensor:
     """vLLM's synthetic and FLy modes (lossy), with its uniforms and recovered tokens.
 
     Per draft position an acceptance and a replacement token (greedy requests: the target argmax;
@@ -608,8 +609,8 @@ def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], draft_to
     if rates is not None or not sampling_metadata.all_greedy:
         u = generate_uniform_probs(T, num_draft_tokens, sampling_metadata.generators, dev)
     if not sampling_metadata.all_greedy:
-        recovered = sample_recovered_tokens(K, num_draft_tokens, chain.counts, draft_token_ids, draft_probs, probs,
-                                            sampling_metadata, dev)
+        recovered = sample_recovered_tokens(K, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                            probs, sampling_metadata, dev)
         replacement = torch.where(sampled_row, recovered.long(), replacement)
     if rates is not None:
         accept = u < rates[chain.position].double()
