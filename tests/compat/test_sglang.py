@@ -111,7 +111,7 @@ def test_the_callers_coins_decide_as_sglangs_cumulative_rule():
     sgl_kernel.tree_speculative_sampling_target_only(
         predicts, accept_index, accept_token_num, candidates, index, first_child, next_sibling, coins, final, target,
         draft_probs)
-    # 0.2 <= 0.3: the first child; 0.6 <= 0.3 + 0.5: the second; 0.9: neither, and the correction
+    # 0.2 < 0.3: the first child; 0.6 < 0.3 + 0.5: the second; 0.9: neither, and the correction
     # from [0, 0, 0.1, 0.1] at 0.25 and 0.75 of its mass: tokens 2 and 3.
     assert accept_token_num.tolist() == [1, 1, 0, 0]
     assert accept_index.tolist() == [[0, 1], [3, 5], [6, SENTINEL], [9, SENTINEL]]
@@ -153,7 +153,9 @@ def test_without_draft_probs_the_rejected_tokens_leave_the_correction_row():
 def test_thresholds_below_one_use_sglangs_comparisons():
     candidates, index, first_child, next_sibling, target = _star_case()
     cases = [  # (threshold_single, threshold_acc, coin at the root, accepted child)
-        (1.0, 0.5, 0.6, 1),  # 0.6 <= 0.3 / 0.5: acc / threshold_acc, compared with <=
+        (1.0, 0.5, 0.59, 1),  # 0.59 < 0.3 / 0.5: acc / threshold_acc
+        (1.0, 0.5, 0.6, 2),  # 0.6 < 0.3 / 0.5 fails (strictly less, as sgl_kernel since 3d7eaa89); 0.6 < 0.8 / 0.5
+        (1.0, 1.0, 0.3, 2),  # a coin at a bucket's upper edge falls in the next bucket
         (0.5, 1.0, 0.95, 2),  # 0.95 > 0.3 and 0.8, but 0.5 >= threshold_single
         (1.0, 0.0, 0.99, 1),  # threshold_acc floored at 1e-9: any mass accepts
     ]
@@ -165,15 +167,29 @@ def test_thresholds_below_one_use_sglangs_comparisons():
         assert accept_index[:, 1].tolist() == [3 * b + child for b in range(4)], (t_single, t_acc, coin)
 
 
-def test_lossy_thresholds_accept_drafts_the_target_never_emits():
+def test_a_draft_of_probability_zero_is_never_accepted_whatever_the_thresholds_and_coin():
     first_child, next_sibling = _links([-1, 0])
     target = _one_hot([1, 2], 3)[None]
-    for t_single, coin in ((0.0, 0.5), (1.0, 0.0)):  # threshold_single 0; a coin of exactly 0 (sgl_kernel's <=)
-        predicts, accept_index, accept_token_num = _outputs(1, 2, 2)
+    for t_single, t_acc, coin in ((0.0, 1.0, 0.5), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0)):  # sgl_kernel before 3d7eaa89
+        predicts, accept_index, accept_token_num = _outputs(1, 2, 2)  # accepted all three
         sgl_kernel.tree_speculative_sampling_target_only(
             predicts, accept_index, accept_token_num, torch.tensor([[0, 0]]), torch.arange(2)[None], first_child,
-            next_sibling, torch.full((1, 2), coin), torch.tensor([0.5]), target, None, t_single, 1.0)
-        assert accept_token_num.tolist() == [1] and predicts[0].item() == 0  # p(0) = 0 at the root
+            next_sibling, torch.full((1, 2), coin), torch.tensor([0.5]), target, None, t_single, t_acc)
+        assert accept_token_num.tolist() == [0] and predicts[0].item() == 1, (t_single, t_acc, coin)
+
+
+def test_a_correction_row_left_without_mass_gives_the_last_rejected_child_with_mass():
+    # the root's children (tokens 1, 2) carry all its mass, but their float32 sum rounds below the coin: both are
+    # rejected and the residual has none left; sgl_kernel then emits the last rejected child's token (not V - 1)
+    first_child, next_sibling = _links([-1, 0, 0])
+    target = torch.zeros(1, 3, 5)
+    target[0, 0, 1], target[0, 0, 2] = 0.25, 0.75 - 2.0**-23
+    target[0, 1:, 0] = 1.0
+    predicts, accept_index, accept_token_num = _outputs(1, 3, 2)
+    sgl_kernel.tree_speculative_sampling_target_only(
+        predicts, accept_index, accept_token_num, torch.tensor([[0, 1, 2]]), torch.arange(3)[None], first_child,
+        next_sibling, torch.full((1, 3), 1.0 - 2.0**-24), torch.tensor([0.5]), target, torch.zeros_like(target))
+    assert accept_token_num.tolist() == [0] and predicts[0].item() == 2
 
 
 @pytest.mark.montecarlo

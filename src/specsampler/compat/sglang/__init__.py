@@ -154,29 +154,34 @@ def _write_walk(predicts: Tensor, accept_index: Tensor, accept_token_num: Tensor
     accept_token_num.copy_(n.to(accept_token_num.dtype))
 
 
-def _coin_choices(target_probs: Tensor, x: Tensor, in_vocab: Tensor, tree: TokenTree, coins: Tensor,
-                  threshold_single: Tensor, threshold_acc: Tensor) -> tuple[Tensor, Tensor]:
+def _edge_probs(target_probs: Tensor, x: Tensor, tree: TokenTree) -> Tensor:
+    """float32 ``[B, N]``: each node's token's probability in its parent's row of ``target_probs`` ``[B, N, V]``
+    (``x``: the tokens, clamped into ``[0, V)``)."""
+    B, N, V = target_probs.shape
+    rows = torch.arange(B, device=x.device)[:, None] * N + tree.parents.clamp(min=0)
+    return target_probs.reshape(-1, V)[rows.reshape(-1), x.reshape(-1)].view(B, N).float()
+
+
+def _coin_choices(p_edge: Tensor, tree: TokenTree, coins: Tensor, threshold_single: Tensor,
+                  threshold_acc: Tensor) -> tuple[Tensor, Tensor]:
     """SGLang's acceptance rule at every node at once: the child it moves to, and how many children it tests.
 
     At node v with coin ``u = coins[b, v]`` the children c are tested in sibling order with
-    ``acc += p_v(x_c)``, and the first with ``u <= acc / threshold_acc`` or ``p_v(x_c) >= threshold_single``
-    is accepted (float32, sgl_kernel's order of operations). Reads only the children's entries of the
-    target rows. Returns the chosen child int64 ``[B, N]`` (-1: none) and the children tested ``[B, N]``.
+    ``acc += p_v(x_c)``, and the first with ``p_v(x_c) > 0`` and either ``u < acc / threshold_acc`` or
+    ``p_v(x_c) >= threshold_single`` is accepted (float32, sgl_kernel's order of operations). p_edge: float32
+    ``[B, N]``, ``p_v(x_c)`` of each node c (0 for the root and for tokens outside the vocabulary). Returns the
+    chosen child int64 ``[B, N]`` (-1: none) and the children tested ``[B, N]``.
     """
-    B, N, V = target_probs.shape
-    rows = torch.arange(B, device=x.device)[:, None] * N + tree.parents.clamp(min=0)
-    p_edge = target_probs.reshape(-1, V)[rows.reshape(-1), x.reshape(-1)].view(B, N).float()
-    p_edge = torch.where(in_vocab & (tree.depth > 0), p_edge, 0.0)
-    choice = torch.full((B, N), -1, dtype=torch.int64, device=x.device)
-    tested = torch.zeros((B, N), dtype=torch.int64, device=x.device)
-    acc = torch.zeros((B, N), dtype=torch.float32, device=x.device)
+    choice = torch.full(p_edge.shape, -1, dtype=torch.int64, device=p_edge.device)
+    tested = torch.zeros_like(choice)
+    acc = torch.zeros_like(p_edge)
     kid = tree.first_child.clone()  # the k-th child of every node
     for _ in range(tree.max_children):
         live = (kid >= 0) & (choice < 0)
         c = kid.clamp(min=0)
         p = p_edge.gather(1, c)
         acc = torch.where(live, acc + p, acc)
-        ok = live & in_vocab.gather(1, c) & ((coins <= acc / threshold_acc) | (p >= threshold_single))
+        ok = live & (p > 0) & ((coins < acc / threshold_acc) | (p >= threshold_single))
         choice = torch.where(ok, kid, choice)
         tested += live
         kid = torch.where(live, tree.next_sibling.gather(1, c), -1)
@@ -226,18 +231,20 @@ def tree_speculative_sampling_target_only(
             ``max(target_probs[b, s] - draft_probs[b, s], 0)`` at the stop node s (from the target row
             itself after S - 1 acceptances).
         threshold_single, threshold_acc: in [0, 1]. At node v with coin u, children c in sibling order
-            accumulate ``acc += p_v(x_c)``; the first with ``u <= acc / max(threshold_acc, 1e-9)`` or
-            ``p_v(x_c) >= threshold_single`` is accepted (float32, sgl_kernel's comparisons).
+            accumulate ``acc += p_v(x_c)``; the first with ``p_v(x_c) > 0`` and either
+            ``u < acc / max(threshold_acc, 1e-9)`` or ``p_v(x_c) >= threshold_single`` is accepted (float32,
+            sgl_kernel's comparisons). Where the correction's row has no mass left (the rejected children
+            took it all), the correction is the last child rejected there with ``p_v(x_c) > 0`` (else V - 1).
         deterministic: ignored (every path here is deterministic).
 
     Lossless only at the default thresholds 1.0 with ``draft_probs`` zero (or None), distinct sibling
-    tokens and coins in (0, 1): the walk is then target-only tree verification (the child accepted at
+    tokens and coins in [0, 1): the walk is then target-only tree verification (the child accepted at
     v is a draw from p_v by inversion in sibling order; the correction a draw from p_v without the
     rejected tokens), distributed exactly as ``specsampler.verify_tree(method="target_only")``.
     **Lossy modes** (SGLang's): ``threshold_acc < 1`` accepts with probability ``p / threshold_acc``
     and ``threshold_single < 1`` accepts any child with ``p >= threshold_single``; the emitted tokens
-    are then off the target distribution. As in sgl_kernel, a coin of exactly 0 accepts the first
-    child even where its probability is 0 (``0 <= 0``), and a repeated sibling token counts twice.
+    are then off the target distribution. As in sgl_kernel, a child of probability 0 is never accepted, whatever
+    the thresholds and the coin, and a repeated sibling token counts twice.
     """
     op = "tree_speculative_sampling_target_only"
     if isinstance(draft_probs, (int, float)):  # sgl_kernel's newer signature has no draft_probs: called positionally
@@ -281,8 +288,8 @@ def tree_speculative_sampling_target_only(
     x = x.clamp(0, V - 1)
     t_single = torch.tensor(threshold_single, dtype=torch.float32)
     t_acc = torch.tensor(threshold_acc, dtype=torch.float32).clamp(min=1e-9)
-    choice, tested = _coin_choices(target_probs, x, in_vocab, tree, uniform_samples, t_single.to(x.device),
-                                   t_acc.to(x.device))
+    p_edge = torch.where(in_vocab & (tree.depth > 0), _edge_probs(target_probs, x, tree), 0.0)
+    choice, tested = _coin_choices(p_edge, tree, uniform_samples, t_single.to(x.device), t_acc.to(x.device))
     walks_on = tree.depth < S - 1  # sgl_kernel stops after S - 1 acceptances: no child tested below that depth
     choice, tested = torch.where(walks_on, choice, -1), torch.where(walks_on, tested, 0)
 
@@ -310,7 +317,11 @@ def tree_speculative_sampling_target_only(
     else:  # the rejected tokens of the stop node leave its row (sgl_kernel's mask without draft_probs)
         at_stop = (rejected & (parent == stop[:, None])).float()
         w = w.masked_fill(torch.zeros_like(w).scatter_add_(1, x, at_stop) > 0, 0.0)
-    y = draw_with_coins(w, uniform_samples_for_final_sampling, "last_valid")
+    # a row left without mass: the last child rejected at the stop node with mass (in sibling order), as sgl_kernel
+    last_rejected = torch.where(rejected & (parent == stop[:, None]) & (p_edge > 0), rank_of, -1)
+    rank, child = last_rejected.max(1)
+    y = draw_with_coins(w, uniform_samples_for_final_sampling, "last_valid",
+                        exhausted=torch.where(rank >= 0, x.gather(1, child[:, None])[:, 0], V - 1))
 
     following = torch.nn.functional.pad(x.gather(1, path[:, 1:].clamp(min=0)), (0, 1))
     values = torch.where(torch.arange(path.shape[1], device=x.device) == n[:, None], y[:, None], following)

@@ -57,13 +57,14 @@ def first_above(cdf: Tensor, rows: Tensor, target: Tensor) -> Tensor:
     return lo.clamp(max=V - 1)
 
 
-def draw_with_coins(weights: Tensor, coins: Tensor, fallback: str) -> Tensor:
+def draw_with_coins(weights: Tensor, coins: Tensor, fallback: str, exhausted: Tensor | None = None) -> Tensor:
     """The FlashInfer-style draw the speculative kernels end with, on the caller's coins.
 
     weights: float32 ``[R, V]`` (>= 0); coins: float ``[R]`` in [0, 1). Returns int64 ``[R]``: the
     first id whose inclusive cumulative weight exceeds ``coin * sum(weights)``. Where none does
     (rounding, or no mass): ``fallback="last_valid"`` gives the last id of positive weight, else
-    ``V - 1`` (sgl_kernel); ``fallback="last_id"`` gives ``V - 1`` (tokenspeed).
+    ``exhausted`` (int64 ``[R]``; default ``V - 1``) (sgl_kernel); ``fallback="last_id"`` gives ``V - 1``
+    (tokenspeed).
     """
     R, V = weights.shape
     target = coins.float() * weights.sum(-1)
@@ -74,7 +75,7 @@ def draw_with_coins(weights: Tensor, coins: Tensor, fallback: str) -> Tensor:
     if fallback == "last_valid":
         ids = torch.arange(V, device=weights.device)
         last = torch.where(weights > 0, ids, -1).amax(-1)
-        other = torch.where(last >= 0, last, V - 1)
+        other = torch.where(last >= 0, last, V - 1 if exhausted is None else exhausted)
     else:
         other = torch.full_like(j, V - 1)
     return torch.where(found, j, other)
