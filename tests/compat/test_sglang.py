@@ -170,8 +170,9 @@ def test_thresholds_below_one_use_sglangs_comparisons():
 def test_a_draft_of_probability_zero_is_never_accepted_whatever_the_thresholds_and_coin():
     first_child, next_sibling = _links([-1, 0])
     target = _one_hot([1, 2], 3)[None]
-    for t_single, t_acc, coin in ((0.0, 1.0, 0.5), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0)):  # sgl_kernel before 3d7eaa89
-        predicts, accept_index, accept_token_num = _outputs(1, 2, 2)  # accepted all three
+    # each of these was accepted by sgl_kernel before 3d7eaa89 (a threshold_single of 0, a coin of 0, both)
+    for t_single, t_acc, coin in ((0.0, 1.0, 0.5), (1.0, 1.0, 0.0), (0.0, 0.0, 0.0)):
+        predicts, accept_index, accept_token_num = _outputs(1, 2, 2)
         sgl_kernel.tree_speculative_sampling_target_only(
             predicts, accept_index, accept_token_num, torch.tensor([[0, 0]]), torch.arange(2)[None], first_child,
             next_sibling, torch.full((1, 2), coin), torch.tensor([0.5]), target, None, t_single, t_acc)

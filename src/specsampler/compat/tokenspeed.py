@@ -315,7 +315,7 @@ def chain_speculative_sampling_target_only(
     else:
         n, w = _target_only_stop(candidates, uniform_samples, target_probs, draft_probs, threshold_single,
                                  threshold_acc)
-    y = draw_with_coins(w, uniform_samples_for_final_sampling, "last_id")
+    y = draw_with_coins(w, uniform_samples_for_final_sampling)
     drafts = torch.nn.functional.pad(candidates[:, 1:].long().clamp(0, V - 1), (0, 1))
     values = torch.where(torch.arange(N, device=n.device) == n[:, None], y[:, None], drafts)
     _write_prefix(predicts, accept_index, accept_token_num, n, values, op)

@@ -311,16 +311,15 @@ def tree_speculative_sampling_target_only(
         v, t = parent[b, c], x[b, c]
         draft_probs[b, v, t] = target_probs[b, v, t]
     w = target_probs[batch, stop].float()
+    at_stop = rejected & (parent == stop[:, None])
     if draft_probs is not None:
         bonus = (n == S - 1)[:, None]
         w = torch.where(bonus, w, (w - draft_probs[batch, stop].float()).clamp(min=0.0))
     else:  # the rejected tokens of the stop node leave its row (sgl_kernel's mask without draft_probs)
-        at_stop = (rejected & (parent == stop[:, None])).float()
-        w = w.masked_fill(torch.zeros_like(w).scatter_add_(1, x, at_stop) > 0, 0.0)
+        w = w.masked_fill(torch.zeros_like(w).scatter_add_(1, x, at_stop.float()) > 0, 0.0)
     # a row left without mass: the last child rejected at the stop node with mass (in sibling order), as sgl_kernel
-    last_rejected = torch.where(rejected & (parent == stop[:, None]) & (p_edge > 0), rank_of, -1)
-    rank, child = last_rejected.max(1)
-    y = draw_with_coins(w, uniform_samples_for_final_sampling, "last_valid",
+    rank, child = torch.where(at_stop & (p_edge > 0), rank_of, -1).max(1)
+    y = draw_with_coins(w, uniform_samples_for_final_sampling,
                         exhausted=torch.where(rank >= 0, x.gather(1, child[:, None])[:, 0], V - 1))
 
     following = torch.nn.functional.pad(x.gather(1, path[:, 1:].clamp(min=0)), (0, 1))

@@ -57,14 +57,13 @@ def first_above(cdf: Tensor, rows: Tensor, target: Tensor) -> Tensor:
     return lo.clamp(max=V - 1)
 
 
-def draw_with_coins(weights: Tensor, coins: Tensor, fallback: str, exhausted: Tensor | None = None) -> Tensor:
+def draw_with_coins(weights: Tensor, coins: Tensor, exhausted: Tensor | None = None) -> Tensor:
     """The FlashInfer-style draw the speculative kernels end with, on the caller's coins.
 
     weights: float32 ``[R, V]`` (>= 0); coins: float ``[R]`` in [0, 1). Returns int64 ``[R]``: the
     first id whose inclusive cumulative weight exceeds ``coin * sum(weights)``. Where none does
-    (rounding, or no mass): ``fallback="last_valid"`` gives the last id of positive weight, else
-    ``exhausted`` (int64 ``[R]``; default ``V - 1``) (sgl_kernel); ``fallback="last_id"`` gives ``V - 1``
-    (tokenspeed).
+    (rounding, or no mass): with ``exhausted`` (int64 ``[R]``, sgl_kernel), the last id of positive weight, else
+    ``exhausted``; without (tokenspeed), ``V - 1``.
     """
     R, V = weights.shape
     target = coins.float() * weights.sum(-1)
@@ -72,13 +71,10 @@ def draw_with_coins(weights: Tensor, coins: Tensor, fallback: str, exhausted: Te
     rows = torch.arange(R, device=weights.device)
     j = first_above(cdf, rows, target)
     found = cdf[rows, j] > target
-    if fallback == "last_valid":
-        ids = torch.arange(V, device=weights.device)
-        last = torch.where(weights > 0, ids, -1).amax(-1)
-        other = torch.where(last >= 0, last, V - 1 if exhausted is None else exhausted)
-    else:
-        other = torch.full_like(j, V - 1)
-    return torch.where(found, j, other)
+    if exhausted is None:
+        return torch.where(found, j, V - 1)
+    last = torch.where(weights > 0, torch.arange(V, device=weights.device), -1).amax(-1)
+    return torch.where(found, j, torch.where(last >= 0, last, exhausted))
 
 
 def _row_indices(op: str, indices: Tensor, rows_of: Tensor) -> Tensor:
