@@ -87,13 +87,21 @@ def test_lean_loop_draws_from_a_torch_generator_as_the_public_ops_do(pair, setup
     assert lean == public
 
 
+@pytest.mark.parametrize("walks", ["looped", "batched"])
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("setup", [SETUPS[0], SETUPS[5], SETUPS[7], SETUPS[8]],
                          ids=["chain", "rrs", "traversal", "target_only"])
-def test_lean_loop_gives_the_public_ops_tokens_on_the_built_in_pair(setup, B):
+def test_lean_loop_gives_the_public_ops_tokens_on_the_built_in_pair(setup, B, walks, monkeypatch):
     """Float32 models over 256 tokens, top-p 0.95 (short nucleus rows, drafts without replacement losing
-    children); one request walks by its plain loop, two by the batched walks."""
+    children); rrs and traversal walk each request by its plain loop up to ``LOOPED_BATCH`` requests, more
+    by the batched walks (both taken here)."""
     from specsampler.generate.modelpair import load_pair
+    from specsampler.verify import tree
+
+    if walks == "batched":
+        monkeypatch.setattr(tree, "LOOPED_BATCH", 0)
+    elif setup[0] != "tree" or setup[2] == "target_only":
+        pytest.skip("chains and target-only trees take one path")
 
     target, draft, tok = load_pair()
     ids, mask = batch([tok.encode("def read_config(path):\n    "), tok.encode("import os\n")][:B])

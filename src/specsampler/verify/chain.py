@@ -428,8 +428,7 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     ``[B, K]``, position < num_drafts; method: a resolved method; rp: the parameters of the
     ``B * (K+1)`` rows, and ``small`` their :func:`_small_constants` (or None); ``draw(stream,
     count)``: the uniforms the public op would draw from ``rng`` (kernels draw from ``rng``
-    themselves). One request's token verification on the CPU is its plain loop
-    (:func:`_verify_one_token`). The same tokens as the public op.
+    themselves). The same tokens as the public op.
     """
     B, K1, V = logits.shape
     c = ChainInputs(B, K1 - 1, V, method, drafts, num_drafts, draft_probs, given_usable=usable)
@@ -440,19 +439,4 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     if method == "greedy":
         return _verify(c, None, greedy_ids(x).view(B, K1), rng, op, draw)
     target = _process_prepared(x, rp, small)
-    if method == "token" and B == 1 and logits.device.type == "cpu":
-        return _verify_one_token(c, target, draw)
     return _verify(c, target, None, rng, op, draw)
-
-
-def _verify_one_token(c: ChainInputs, target: Processed, draw: Callable[[int, int], Tensor]) -> ChainResult:
-    """Token verification of one request by its plain loop (:mod:`.reference`, tested equal to
-    :func:`_verify`): a few single-value operations per draft instead of the batched ones."""
-    from . import reference
-
-    u_draw, u_accept = draw(STREAM_SAMPLE, c.K + 1)[0], draw(STREAM_ACCEPT, c.K + 1)[0]  # _verify's order
-    drafts = c.x_raw[0, : int(c.num_drafts[0])].tolist()
-    emitted, n = reference.chain_token(target.dense(), c.q[0], drafts, u_accept, u_draw)
-    tokens = torch.tensor([emitted + [-1] * (c.K + 1 - len(emitted))])
-    accepted = torch.tensor([n])
-    return ChainResult(tokens, accepted, lambda: _expected(c, target, accepted))
