@@ -133,6 +133,14 @@ def test_max_new_tokens_zero_and_one(pair):
     assert one.tokens.tolist() == hf_greedy(target, prompt, 1) and one.stats.target_calls == 1
 
 
+def test_outputs_are_ordinary_tensors_though_the_loop_runs_in_inference_mode(pair):
+    target, draft = pair
+    prompt = torch.tensor([[1, 2, 3]])
+    for out in (speculative_generate(target, draft, prompt, 4, GREEDY), generate(target, prompt, 4, GREEDY)):
+        assert not out.tokens.is_inference() and not out.lengths.is_inference()
+        out.tokens[0, 0] = 7  # an in-place write outside inference mode: refused on an inference tensor
+
+
 def test_bad_arguments_raise_value_errors_naming_them(pair):
     target, draft = pair
     prompt = torch.tensor([1, 2])

@@ -771,6 +771,36 @@ def test_sampling_matches_numpy_reference_of_inversion():
     assert ss.sample(probs, rng).item() == expected
 
 
+def test_ops_called_in_inference_mode_leave_later_calls_outside_it_working():
+    """Engines call the ops in ``torch.inference_mode`` (and the generation loop runs in it); the large temporaries
+    reused across calls are ordinary tensors, so a later call outside inference mode, which writes into them,
+    works and gives the same tokens. A fresh thread: the buffers are per thread, made by the first call."""
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 1 << 15, generator=g)
+    probs = torch.softmax(torch.randn(2, 3, 5000, generator=g), -1)
+    q = torch.softmax(torch.randn(2, 2, 5000, generator=g), -1)
+    drafts = torch.randint(0, 5000, (2, 2), generator=g)
+    calls = [lambda: ss.sample_from_logits(logits, SP(temperature=0.8), ss.Philox(1)).tokens,
+             lambda: ss.sample_from_logits(logits, SP(temperature=0.8, top_p=0.9), ss.Philox(1)).tokens,
+             lambda: ss.verify_chain(probs, drafts, q, rng=ss.Philox(1)).tokens]
+    outcome = []
+
+    def run():
+        try:
+            with torch.inference_mode():
+                first = [call() for call in calls]
+            outcome.append(all(torch.equal(a, call()) for a, call in zip(first, calls)))
+        except RuntimeError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert outcome == [True]
+
+
 def test_inputs_that_require_grad_are_taken():  # sampling and verification are not differentiable
     g = torch.Generator().manual_seed(0)
     B, K, N, V = 3, 2, 4, 5000  # rows long enough for the nucleus path's scratch buffers

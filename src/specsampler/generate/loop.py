@@ -145,13 +145,14 @@ class _Output:
 
     def result(self, stats: GenerationStats, one_d: bool, device, started: float) -> GenerationOutput:
         T = max((len(t) for t in self.tokens), default=0)
-        out = torch.full((len(self.tokens), T), -1, dtype=torch.long)
-        for b, t in enumerate(self.tokens):
-            out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         stats.new_tokens = [len(t) for t in self.tokens]
         stats.wall_time_s = time.perf_counter() - started
-        lengths = torch.tensor(stats.new_tokens, dtype=torch.long, device=device)
-        out = out.to(device)
+        with torch.inference_mode(False):  # the loop runs in inference mode; its outputs are ordinary tensors
+            out = torch.full((len(self.tokens), T), -1, dtype=torch.long)
+            for b, t in enumerate(self.tokens):
+                out[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+            out = out.to(device)
+            lengths = torch.tensor(stats.new_tokens, dtype=torch.long, device=device)
         return GenerationOutput(out[0] if one_d else out, lengths, stats)
 
 
@@ -170,7 +171,7 @@ def _sample(logits: Tensor, params: SamplingParams, rows: RowsOf, call: Call) ->
 # ------------------------------------------------------------------------------ plain sampling
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(
     model,
     input_ids: Tensor,
@@ -286,7 +287,7 @@ def _verify_plan(method: str, count: int) -> tuple[tuple[int, int], ...]:
             "traversal": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count))}.get(method, ((STREAM_SAMPLE, count),))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(
     target,
     draft,

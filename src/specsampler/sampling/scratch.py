@@ -22,7 +22,8 @@ class _Scratch(threading.local):
         key = (name, dtype, device)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+            with torch.inference_mode(False):  # written by later calls, in inference mode or not
+                buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel].view(shape)
 
 
