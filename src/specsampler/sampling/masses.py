@@ -22,6 +22,10 @@ MASS_BITS = 32
 _CHUNK = 256  # columns per chunk in the two-step inversion of wide rows
 _SCRATCH_FROM = 1 << 16  # masses of fewer values are allocated (a scratch lookup costs more than the pages)
 _ONE = float(2**MASS_BITS)
+# 2**-32 as 0-d tensors: an operand given as a Python float is wrapped in a tensor by every call (a few us on the CPU,
+# where the generation loop's short rows spend their time in such per-call costs); a CPU scalar serves every device
+_UNIT32 = torch.tensor(2.0**-MASS_BITS)
+_UNIT64 = torch.tensor(2.0**-MASS_BITS, dtype=torch.float64)
 ROW_MASSES = "row masses (float32)"  # the scratch of row_mass's masses, free again once it returns
 
 
@@ -41,13 +45,13 @@ def scaled_masses(w: Tensor, z: Tensor | float = 1.0, out: Tensor | None = None)
     one pass, as ``trunc(w / (z * 2**-32))`` (scaling by a power of two commutes with rounding; a quotient below
     float32's normal range has mass 0 either way; trunc is floor on non-negatives). ``z``: float32 ``[R, 1]``, or
     1."""
-    scale = z * 2.0**-MASS_BITS
+    scale = _UNIT32 if isinstance(z, float) and z == 1.0 else z * 2.0**-MASS_BITS
     return torch.div(w, scale, rounding_mode="trunc", out=w if out is None else out)
 
 
 def as_weight(mass: Tensor) -> Tensor:
     """float32 weight of a mass (a sum's: rounded once)."""
-    return (mass / _ONE).float()
+    return (mass * _UNIT64).float()  # mass / 2**32, exactly
 
 
 def row_mass(w: Tensor, keepdim: bool = False, unit: bool = False) -> Tensor:

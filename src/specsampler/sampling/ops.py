@@ -319,7 +319,7 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     # masses.top_p_target: ceil(top_p * Z), at most Z already (top_p < 1 and Z an integer)
     keep = (cum - m) < torch.ceil(top_p * cum[:, -1:])
     # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero)
-    kept = torch.where(keep, w, 0.0).div_(as_weight(torch.where(keep, m, 0.0).sum(-1, keepdim=True)))
+    kept = torch.where(keep, w, 0.0).div_(as_weight(m.mul_(keep).sum(-1, keepdim=True)))
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
 
 
