@@ -360,6 +360,28 @@ def test_lossy_modes_on_sampled_requests_of_unequal_draft_counts_take_each_reque
     assert out.tolist() == [[4, -1, -1], [0, -1, -1]]
 
 
+def test_fly_defers_a_rejection_followed_by_its_window_of_acceptances_in_each_requests_own_rows():
+    """Sampled requests of unequal draft counts. Request 0's first draft is rejected by vLLM's rule (probability
+    about 1e-7 on a row spread over three tokens, whose entropy passes the threshold), and its next draft is
+    accepted: FLy accepts it anyway, and the request emits every draft and its bonus. Request 1's rejected draft is
+    its last: no window follows, so its recovered token comes from its own row. Above the entropy, no deferral."""
+    spread = lambda draft: [10.0 if t >= 2 else -10.0 for t in range(V)]  # noqa: E731  (p(draft) ~ 1e-7)
+    one_hot = lambda t: (one_hot_logits([t]) * 10)[0].tolist()  # noqa: E731  (p = 1 in float32)
+    drafts = [[0, 1, 2], [1, 0]]
+    logits = torch.tensor([spread(0), one_hot(1), one_hot(2), one_hot(4),  # request 0's rows, then its bonus row
+                           one_hot(1), spread(0), one_hot(3)])  # request 1's
+    sampled = metadata(temperature=torch.ones(2))
+    for threshold, deferred in ((0.5, True), (1.5, False)):  # the spread rows' entropy: log(3) = 1.10
+        fly = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="fly", fly_window_size=1,
+                                                            fly_entropy_threshold=threshold))
+        out = fly(spec_metadata(drafts), None, logits, sampled).sampled_token_ids.tolist()
+        if deferred:
+            assert out[0] == [0, 1, 2, 4]
+        else:
+            assert out[0][0] in (2, 3, 4) and out[0][1:] == [-1, -1, -1]
+        assert out[1][0] == 1 and out[1][1] in (2, 3, 4) and out[1][2:] == [-1, -1]
+
+
 # ------------------------------------------------------------------------------------- errors
 
 
