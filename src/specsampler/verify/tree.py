@@ -36,11 +36,11 @@ from .token_tree import TokenTree
 from .walks import WALKS, TargetRows, TreeInputs, expected_target_only
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
+DRAFT_SAMPLING = ("iid", "without_replacement")
 # Up to this many requests, rrs and traversal on the CPU walk each request by its plain loop (a few operations on
 # single rows per node tested), where the batched walks' gathers and scatters over every request cost more: in the
 # generation loop on the built-in pair, 6-31% less library time at 3 and 8 requests, 10-19% more at 16.
 LOOPED_BATCH = 8
-DRAFT_SAMPLING = ("iid", "without_replacement")
 
 
 @dataclass(frozen=True)
