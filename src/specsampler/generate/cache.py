@@ -97,10 +97,14 @@ class ModelCache:
         dev = num.device
         if path is not None:  # the kept entries move to the front of the tree's slots
             j = torch.arange(width, device=dev)
-            src = start + torch.where(j <= num[:, None], path[:, :width], j)
+            src = (start + torch.where(j <= num[:, None], path[:, :width], j))[:, None, :, None]
+            index = {}  # the index expanded once per layer shape (the layers of a model share one)
             for t in _layers(self.cache):
                 B, H, _, D = t.shape
-                t[:, :, start: start + width] = t.gather(2, src[:, None, :, None].expand(B, H, width, D))
+                at = index.get((H, D))
+                if at is None:
+                    at = index[H, D] = src.expand(B, H, width, D)
+                t[:, :, start: start + width] = t.gather(2, at)
         kept = self.visible(torch.arange(width, device=dev) <= num[:, None])
         self.bias = torch.cat([self.bias[:, :start], kept], 1)
         extra = self.cache.get_seq_length() - self.slots
