@@ -3,7 +3,10 @@
 That release lives outside the project's environment (which has the newest): point
 ``SPECSAMPLER_TRANSFORMERS_FLOOR`` at a directory holding it, e.g.
 
-    pip install --no-deps --target /tmp/tf456 transformers==4.56.2 huggingface_hub==0.35.3 tokenizers==0.22.1
+    pip install --no-deps --target /tmp/tf456 transformers==4.56.2 huggingface_hub==0.35.3 tokenizers==0.22.1 \
+        requests urllib3 idna charset_normalizer certifi
+
+(that huggingface_hub imports ``requests``, which the project's environment need not hold)
 
 and the test runs the built-in pair in a subprocess with that directory first on the import path.
 Skipped when the variable is not set.
