@@ -4,8 +4,10 @@ The same Philox draws (counters of :mod:`specsampler.rng`), the same float32 ari
 (:mod:`specsampler.sampling.masses`) as the vectorised walks (:mod:`.chain`, :mod:`.tree`), and the kernels'
 draws (:mod:`specsampler.kernels.chain`, :mod:`specsampler.kernels.tree`), so all three give the same tokens;
 the tests hold them to it.
-Slow by design (Python per node): for reading and for tests, not for serving. Inputs from
-probabilities; formulas: ARCHITECTURE.md, "Verification".
+Python per node: for reading and for tests, and for few requests on the CPU, where a node's few operations on single
+rows cost less than a batched walk's gathers over every request (the generation loop walks rrs and traversal of up to
+8 requests by :func:`tree_rrs` and :func:`tree_traversal`). Inputs from probabilities; formulas: ARCHITECTURE.md,
+"Verification".
 """
 
 from __future__ import annotations
