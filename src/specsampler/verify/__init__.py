@@ -3,7 +3,7 @@
 `chain` (token, block, target_only, greedy), `token_tree` (the `TokenTree` structure), `tree` (the tree
 walks: rrs, traversal, target_only, greedy), `reference` (one plain loop per request for each method),
 `oracle` (exact output distributions), `exactness` (Monte Carlo of the real code against the oracle),
-`kv` (moving the accepted path's KV entries). Algorithms: ARCHITECTURE.md, "Verification".
+`kv` (moving the accepted path's KV entries). Algorithms: docs/design.md, "Algorithms".
 """
 
 from .chain import ChainResult, verify_chain, verify_chain_from_logits
