@@ -771,6 +771,32 @@ def test_sampling_matches_numpy_reference_of_inversion():
     assert ss.sample(probs, rng).item() == expected
 
 
+def test_rows_known_to_have_mass_draw_the_column_every_row_draws():
+    """sample_processed (rows with mass, values in [0, 1], u in [0, 1)) gives sample_by_inversion's column, u at both
+    ends of its range and rows of one token or of gaps included; the short rows' processing marks its rows so, and
+    Processed.sample then takes it (the same tokens)."""
+    from specsampler.sampling.masses import sample_by_inversion, sample_processed
+    from specsampler.sampling.ops import _process_small, _small_constants
+
+    g = torch.Generator().manual_seed(11)
+    for V in (64, 256, 1024, 2048):
+        for scale in (0.3, 3.0, 30.0):
+            w = torch.softmax(torch.randn(400, V, generator=g) * scale, -1)  # many draws: a column off by a rounding
+            w[0] = 0.0
+            w[0, V // 3] = 1.0  # one token
+            w[1, ::2] = 0.0
+            w[1, 1] = 0.5  # gaps, and mass
+            u = torch.rand(400, generator=g)
+            u[2], u[3] = 0.0, 1 - 2**-24
+            assert torch.equal(sample_processed(w, u), sample_by_inversion(w, u))
+    x = torch.randn(5, 256, generator=g) * 3
+    rp = SP(temperature=0.7, top_p=0.9).rows("t", 5, 1, torch.device("cpu"), False)
+    proc = _process_small(x, _small_constants(rp, 256))
+    u = torch.rand(5, generator=g)
+    assert proc.positive and not ss.sampling.processing.process(x, rp, logits=True).positive
+    assert torch.equal(proc.sample(u), sample_by_inversion(proc.dense(), u))
+
+
 def test_ops_called_in_inference_mode_leave_later_calls_outside_it_working():
     """Engines call the ops in ``torch.inference_mode`` (and the generation loop runs in it); the large temporaries
     reused across calls are ordinary tensors, so a later call outside inference mode, which writes into them,

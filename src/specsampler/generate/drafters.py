@@ -13,6 +13,7 @@ from torch import Tensor
 from ..kernels import use_triton
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_SAMPLE
+from ..sampling.masses import sample_processed
 from ..sampling.ops import _process_prepared, _small_constants, sample
 from ..sampling.processing import Processed, sample_by_inversion
 from .cache import ModelCache
@@ -42,13 +43,14 @@ class RowsOf:
         return _process_prepared(logits.reshape(-1, V), *self(M, V))
 
 
-def draw_rows(weights: Tensor, batch: int, call: Call, kernels: bool) -> Tensor:
+def draw_rows(weights: Tensor, batch: int, call: Call, kernels: bool, positive: bool = False) -> Tensor:
     """One token per row of ``weights`` float32 ``[B * M, V]`` (request-major): the draws of
-    :func:`specsampler.sample` on ``call``'s random stream (by its kernel where ``kernels``).
-    int64 ``[B * M]``."""
+    :func:`specsampler.sample` on ``call``'s random stream (by its kernel where ``kernels``); ``positive``: every
+    row has mass and no value outside [0, 1] (:func:`sample_processed`, fewer ops). int64 ``[B * M]``."""
     if kernels:
         return sample(weights.view(batch, -1, weights.shape[-1]), call.rng).view(-1)
-    return sample_by_inversion(weights, call.uniform(STREAM_SAMPLE, weights.shape[0] // batch).reshape(-1))
+    u = call.uniform(STREAM_SAMPLE, weights.shape[0] // batch).reshape(-1)
+    return (sample_processed if positive else sample_by_inversion)(weights, u)
 
 
 def draft_plan(layout: TreeLayout, how: str) -> tuple[Draws, ...]:
@@ -88,10 +90,13 @@ class ModelDrafter:
         self.state, self.layout, self.rows, self.how, self.keep_q = state, layout, rows, how, keep_q
         self.vocab = 0  # the draft's vocabulary size, known after its first call
         self.kernels = use_triton(state.bias.device)
+        self.positive = False  # the last processed rows each have mass, no value outside [0, 1]
 
     def _probs(self, logits: Tensor) -> Tensor:
         """float32 ``[B, n, V]``: the processed distributions of ``logits`` ``[B, n, V]``."""
-        return self.rows.process(logits).dense().view(logits.shape)
+        proc = self.rows.process(logits)
+        self.positive = proc.positive
+        return proc.dense().view(logits.shape)
 
     def _children(self, q: Tensor, c: int, calls: list[Call]) -> tuple[Tensor, Tensor | None, Tensor]:
         """``c`` children of each of the ``P`` parents of ``q`` float32 ``[B, P, V]``: tokens int64
@@ -102,7 +107,7 @@ class ModelDrafter:
         if self.how == "deterministic":
             return q.topk(min(c, V), -1).indices.reshape(B, -1), None, rows
         if self.how == "iid":
-            return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels).view(B, -1), None, rows
+            return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels, self.positive).view(B, -1), None, rows
         left, xs, have = q.clone(), [], []
         for _ in range(c):  # without replacement: each draw removes its token from the parent's row
             have.append(left.sum(-1) > 0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .masses import invert_few_on_cpu, sample_by_inversion
+from .masses import invert_few_on_cpu, sample_by_inversion, sample_processed
 from .rounding import in_vector_body
 from .topk import ordered_prefix
 
@@ -24,11 +24,13 @@ class Part:
         id 0 at probability 0; or ``None`` when the rows are dense.
     probs: float32 ``[r, C]`` aligned with ``ids``, or ``[r, V]``: normalised, 0 outside the
         kept set (a row whose kept set has no mass, e.g. all masked, is all 0).
+    positive: every row has mass, no value outside [0, 1] (:func:`.masses.sample_processed` draws them).
     """
 
     rows: Tensor | None
     ids: Tensor | None
     probs: Tensor
+    positive: bool = False
 
     def dense(self, vocab_size: int) -> Tensor:
         if self.ids is None:
@@ -40,7 +42,8 @@ class Part:
         if self.ids is not None and self.ids.shape[1] == 1:  # one candidate: it is the draw
             return self.ids[:, 0]
         few = self.ids is not None and self.probs.device.type == "cpu" and self.probs.shape[1] < 1024
-        idx = (invert_few_on_cpu if few else sample_by_inversion)(self.probs, u)
+        draw = sample_processed if self.positive else invert_few_on_cpu if few else sample_by_inversion
+        idx = draw(self.probs, u)
         return idx if self.ids is None else self.ids.gather(1, idx[:, None])[:, 0]
 
     def prob(self, tokens: Tensor) -> Tensor:
@@ -88,16 +91,22 @@ class Processed:
         return outs
 
     @staticmethod
-    def from_dense(probs: Tensor) -> Processed:
-        """Distributions given as they are: float32 ``[R, V]`` (not copied)."""
-        return Processed((Part(None, None, probs),), probs.shape[0], probs.shape[1])
+    def from_dense(probs: Tensor, positive: bool = False) -> Processed:
+        """Distributions given as they are: float32 ``[R, V]`` (not copied); ``positive``: as :class:`Part`."""
+        return Processed((Part(None, None, probs, positive),), probs.shape[0], probs.shape[1])
+
+    @property
+    def positive(self) -> bool:
+        """Every row has mass, no value outside [0, 1] (:class:`Part`)."""
+        return all(part.positive for part in self.parts)
 
     def select(self, rows: Tensor) -> Processed:
         """The distributions of ``rows`` (int64 ``[n]``, any order, repeats allowed), copied."""
         parts = []
         if len(self.parts) == 1 and self.parts[0].rows is None:
             part = self.parts[0]
-            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, _take(part.probs, rows)))
+            parts.append(Part(None, _take(part.ids, rows) if part.ids is not None else None, _take(part.probs, rows),
+                              part.positive))
         else:
             part_of = torch.empty(self.num_rows, dtype=torch.int64, device=rows.device)
             local = torch.empty_like(part_of)

@@ -145,6 +145,15 @@ def _invert_few(weights: Tensor, u: Tensor) -> Tensor:
     return torch.where(z > 0, _first_above(cum, draw_target(u, z)), 0)  # t < Z: a column of positive mass
 
 
+def sample_processed(weights: Tensor, u: Tensor) -> Tensor:
+    """:func:`sample_by_inversion` of rows that every row has mass in and no value outside [0, 1] (no NaN), with u in
+    [0, 1) (the library's uniforms): the same column without the steps only other rows need (a clamp of the weights
+    and of u, a row without mass, the end ``t = Z``: ``u Z < Z`` rounds below Z in float64, Z < 2**42). Rows of a short
+    vocabulary processed in few ops (:func:`specsampler.sampling.ops._process_small`) are such rows. int64 ``[R]``."""
+    cum = scaled_masses(weights, out=torch.empty_like(weights)).double().cumsum_(-1)
+    return _first_above(cum, u.double().mul_(cum[:, -1]))  # integer sums exceed u Z exactly where they exceed its floor
+
+
 def invert_few_on_cpu(weights: Tensor, u: Tensor) -> Tensor:
     """:func:`sample_by_inversion` of rows under 1024 columns on CPU, :func:`_invert_few`'s steps in NumPy: the same
     masses and target (exact integers in float64), tested equal. Cheaper on a batch's candidate parts (a few dozen

@@ -320,7 +320,8 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     keep = (cum - m) < torch.ceil(top_p * cum[:, -1:])
     # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero)
     kept = torch.where(keep, w, 0.0).div_(as_weight(m.mul_(keep).sum(-1, keepdim=True)))
-    return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept))
+    # every row keeps its top weight, 1: a positive mass, and quotients in [0, 1]
+    return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept), positive=True)
 
 
 def _process_prepared(x: Tensor, rp: RowParams, constants: tuple[Tensor, ...] | None) -> Processed:
