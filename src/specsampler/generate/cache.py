@@ -71,13 +71,15 @@ class ModelCache:
         """
         B, n = tokens.shape
         prefix = self.slots if prefix is None else prefix
-        mask = torch.cat([self.bias[:, None, :prefix].expand(B, n, prefix), own.expand(B, n, own.shape[-1])], 2)
-        out = self.model(input_ids=tokens, attention_mask=mask[:, None], position_ids=positions, use_cache=True,
+        own = (own[:, None] if own.dim() == 3 else own).expand(B, 1, n, own.shape[-1])
+        mask = torch.cat([self.bias[:, None, None, :prefix].expand(B, 1, n, prefix), own], 3)
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self._cache_kw: self.cache})
         self.calls += 1
         new = self._unseen.expand(B, n) if committed is None else self.visible(committed)
         self.bias = torch.cat([self.bias, new], 1)
-        return out.logits.float()
+        logits = out.logits
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def prefill(self, input_ids: Tensor, real: Tensor) -> Tensor:
         """Feed the prompts (left-padded; ``real`` bool ``[B, L]``); returns the last row's logits ``[B, V]``."""

@@ -91,6 +91,7 @@ class ModelDrafter:
         self.vocab = 0  # the draft's vocabulary size, known after its first call
         self.kernels = use_triton(state.bias.device)
         self.positive = False  # the last processed rows each have mass, no value outside [0, 1]
+        self._alone = torch.zeros(1, 1, dtype=state.dtype, device=state.bias.device)  # a lone root's own bias
 
     def _probs(self, logits: Tensor) -> Tensor:
         """float32 ``[B, n, V]``: the processed distributions of ``logits`` ``[B, n, V]``."""
@@ -127,12 +128,11 @@ class ModelDrafter:
         state, layout = self.state, self.layout
         B, dev = pending.shape[0], pending.device
         toks, on = pending[:, 2 - P:], pending_on[:, 2 - P:]
-        positions = (pos_root[:, None] - P + 1 + torch.arange(P, device=dev)).clamp(min=0)
         root_slot = state.slots + P - 1
         if P == 1:
-            own = torch.zeros(1, 1, dtype=state.dtype, device=dev)
-            logits = state.forward(toks, positions, own)
+            logits = state.forward(toks, pos_root[:, None], self._alone)
         else:  # the token before the root, where present, is committed and seen by the root
+            positions = (pos_root[:, None] - 1 + torch.arange(2, device=dev)).clamp(min=0)
             own = torch.zeros(B, 2, 2, dtype=state.dtype, device=dev)
             own[:, 0, 1] = state.hidden
             own[:, 1, 0] = state.visible(on[:, 0])

@@ -308,7 +308,7 @@ def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None
     c, top_p = constants
     tc = x.amax(-1, keepdim=True) * c
     # a NaN logit makes its row's maximum NaN: past this check the rows hold numbers, and weights in [0, 1]
-    if not all(math.isfinite(v) and abs(v) < _FAR for v in tc.view(-1).tolist()):
+    if not all(math.isfinite(v) and abs(v) < _FAR for (v,) in tc.tolist()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
     # bit for bit process()'s weights (elementwise, every value in the vectorised body: V is a multiple of 64),
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
