@@ -35,7 +35,7 @@ def tree_case(seed, B=5, V=6):
     N = parents.shape[1]
     q = _dist(B, N, V, gen=g)
     drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
-    drafts[3, 2] = -4  # out of range: never accepted
+    drafts[min(3, B - 1), 2] = -4  # out of range: never accepted
     p = 0.5 * _dist(B, N, V, gen=g) + 0.5 * q[:, torch.tensor([1] * N)]
     return p, drafts, tree, q
 
@@ -72,6 +72,30 @@ def test_tree_reference_loop_equals_the_vectorised_walk(method, sampling):
         got = _tree_res(p, drafts, tree, q, method, sampling, rng)
         for w, g_ in zip(want, got):
             assert torch.equal(w, g_), (method, sampling, seed)
+
+
+@pytest.mark.parametrize("method, sampling", TREE_CASES[:4])
+def test_a_few_requests_walked_by_their_loops_equal_the_batched_walk_whatever_the_values(method, sampling, monkeypatch):
+    """verify_tree walks rrs and traversal of up to LOOPED_BATCH_PROBS requests on the CPU by the plain loops: the
+    batched walk's paths and tokens on unnormalised rows, NaN, inf, negative and zero entries, drafts out of range
+    and absent nodes."""
+    from specsampler.verify import tree as tree_module
+
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        B, V = int(torch.randint(1, tree_module.LOOPED_BATCH_PROBS + 1, (1,), generator=g)), 6
+        p, drafts, tree, q = tree_case(seed, B, V)
+        for rows in (p, q):
+            m = torch.rand(rows.shape, generator=g) < 0.2
+            rows.copy_({0: rows * 3, 1: rows.masked_fill(m, float("nan")), 2: rows.masked_fill(m, -0.3),
+                        3: rows.masked_fill(m, float("inf")), 4: rows.masked_fill(m, 0.0)}[seed % 5])
+        drafts[0, -1] = V + 1
+        rng = ss.Philox(torch.arange(B) + seed)
+        looped = _tree_res(p, drafts, tree, q, method, sampling, rng)
+        monkeypatch.setattr(tree_module, "LOOPED_BATCH_PROBS", 0)
+        batched = _tree_res(p, drafts, tree, q, method, sampling, rng)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(looped, batched)), (method, sampling, seed)
 
 
 def test_reference_loops_equal_the_kernels(monkeypatch):

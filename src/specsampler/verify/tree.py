@@ -33,14 +33,16 @@ from ..validation import (
     fail,
 )
 from .token_tree import TokenTree
-from .walks import WALKS, TargetRows, TreeInputs, expected_target_only
+from .walks import WALKS, TargetRows, TreeInputs, drawer, expected_target_only
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
-# Up to this many requests, rrs and traversal on the CPU walk each request by its plain loop (a few operations on
-# single rows per node tested), where the batched walks' gathers and scatters over every request cost more: in the
-# generation loop on the built-in pair, 6-31% less library time at 3 and 8 requests, 10-19% more at 16.
-LOOPED_BATCH = 8
+# Up to these many requests, rrs and traversal on the CPU walk each request by its plain loop (a few operations on
+# single rows per node tested), where the batched walks' gathers and scatters over every request cost more. In the
+# generation loop (short rows, every row processed at once): 6-31% less library time at 3 and 8 requests, 10-19% more
+# at 16. verify_tree on 15 nodes: 1.2-3.5x faster at 1-4 requests over 256 or 32000 tokens (rrs 0.95x at 4 over
+# 32000), 0.7x at 8 over 256.
+LOOPED_BATCH, LOOPED_BATCH_PROBS = 8, 4
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,9 @@ def verify_tree(
     Returns:
         :class:`TreeResult`; paths valid and tokens in ``[0, V)`` or ``-1``, whatever the values.
 
+    On the CPU, rrs and traversal of up to ``LOOPED_BATCH_PROBS`` requests walk each request by its plain loop
+    (:mod:`.reference`), cheaper there than the batched walk: the same paths and tokens, whatever the values.
+
     Example:
         >>> import torch, specsampler as ss
         >>> tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]]))  # root; children 1, 2; 3 under 1
@@ -197,6 +202,8 @@ def verify_tree(
                     full, False)
     if use_triton(target_probs.device):
         walked = _walk_kernel(c, target_probs, rng, op)
+    elif c.method in ("rrs", "traversal") and c.B <= LOOPED_BATCH_PROBS and target_probs.device.type == "cpu":
+        walked = _assemble(c, *_walk_each(c, target_probs.float().reshape(-1, c.V), drawer(c, rng, op, None)))
     else:
         walked = _assemble(c, *WALKS[c.method](c, TargetRows(probs=target_probs), rng, op))
     expected = None

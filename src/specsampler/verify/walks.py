@@ -114,7 +114,7 @@ def _walk_start(c: TreeInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return path, zeros(), zeros(), torch.arange(B, device=dev)
 
 
-def _drawer(c: TreeInputs, rng, op: str, draw: Callable[[int, int], Tensor] | None) -> Callable[[int, int], Tensor]:
+def drawer(c: TreeInputs, rng, op: str, draw: Callable[[int, int], Tensor] | None) -> Callable[[int, int], Tensor]:
     """``draw(stream, count)``: the uniforms ``[B, count]`` of a stream, from ``rng`` unless given."""
     plan = ((STREAM_ACCEPT, c.N), (STREAM_SAMPLE, c.N)) if c.method in ("rrs", "traversal") else ()
     return draw or planned(rng, op, c.B, plan, c.x.device)
@@ -123,7 +123,7 @@ def _drawer(c: TreeInputs, rng, op: str, draw: Callable[[int, int], Tensor] | No
 def walk_draws(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """greedy / target_only: draw at the current node, move to the child carrying the draw."""
     B, D = c.B, c.tree.max_depth
-    u = None if c.method == "greedy" else _drawer(c, rng, op, draw)(STREAM_SAMPLE, c.N)
+    u = None if c.method == "greedy" else drawer(c, rng, op, draw)(STREAM_SAMPLE, c.N)
     if u is None and isinstance(rng, Philox):  # greedy draws nothing; a Philox of another batch is still a mistake
         rng.keys(op, B, c.x.device)
     children = _ChildIndex(c)
@@ -144,7 +144,7 @@ def walk_draws(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tupl
 def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[Tensor, Tensor, Tensor]:
     """Recursive rejection sampling down the tree."""
     D, t, vocab = c.tree.max_depth, c.tree, c.vocab
-    draw = _drawer(c, rng, op, draw)
+    draw = drawer(c, rng, op, draw)
     u_accept = draw(STREAM_ACCEPT, c.N)
     u_draw = draw(STREAM_SAMPLE, c.N)
     path, n, y_out, walking = _walk_start(c)
@@ -190,7 +190,7 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
     B, D, N, dev, t, vocab = c.B, c.tree.max_depth, c.N, c.x.device, c.tree, c.vocab
     V = vocab.width
     wo = c.sampling == "without_replacement"
-    draw = _drawer(c, rng, op, draw)
+    draw = drawer(c, rng, op, draw)
     eta = draw(STREAM_ACCEPT, N)
     u_draw = draw(STREAM_SAMPLE, N)
     stack = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # the current leftmost path
