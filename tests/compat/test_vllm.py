@@ -365,11 +365,11 @@ def test_fly_defers_a_rejection_followed_by_its_window_of_acceptances_in_each_re
     about 1e-7 on a row spread over three tokens, whose entropy passes the threshold), and its next draft is
     accepted: FLy accepts it anyway, and the request emits every draft and its bonus. Request 1's rejected draft is
     its last: no window follows, so its recovered token comes from its own row. Above the entropy, no deferral."""
-    spread = lambda draft: [10.0 if t >= 2 else -10.0 for t in range(V)]  # noqa: E731  (p(draft) ~ 1e-7)
+    spread = [10.0 if t >= 2 else -10.0 for t in range(V)]  # three tokens; the drafts 0 and 1 at about 1e-7 each
     one_hot = lambda t: (one_hot_logits([t]) * 10)[0].tolist()  # noqa: E731  (p = 1 in float32)
     drafts = [[0, 1, 2], [1, 0]]
-    logits = torch.tensor([spread(0), one_hot(1), one_hot(2), one_hot(4),  # request 0's rows, then its bonus row
-                           one_hot(1), spread(0), one_hot(3)])  # request 1's
+    logits = torch.tensor([spread, one_hot(1), one_hot(2), one_hot(4),  # request 0's rows, then its bonus row
+                           one_hot(1), spread, one_hot(3)])  # request 1's
     sampled = metadata(temperature=torch.ones(2))
     for threshold, deferred in ((0.5, True), (1.5, False)):  # the spread rows' entropy: log(3) = 1.10
         fly = vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="fly", fly_window_size=1,

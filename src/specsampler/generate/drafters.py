@@ -90,17 +90,17 @@ class ModelDrafter:
         self.state, self.layout, self.rows, self.how, self.keep_q = state, layout, rows, how, keep_q
         self.vocab = 0  # the draft's vocabulary size, known after its first call
         self.kernels = use_triton(state.bias.device)
-        self.positive = False  # the last processed rows each have mass, no value outside [0, 1]
         self._alone = torch.zeros(1, 1, dtype=state.dtype, device=state.bias.device)  # a lone root's own bias
 
-    def _probs(self, logits: Tensor) -> Tensor:
-        """float32 ``[B, n, V]``: the processed distributions of ``logits`` ``[B, n, V]``."""
+    def _probs(self, logits: Tensor) -> tuple[Tensor, bool]:
+        """float32 ``[B, n, V]``: the processed distributions of ``logits`` ``[B, n, V]``; and whether every row has
+        mass and no value outside [0, 1] (:attr:`Processed.positive`)."""
         proc = self.rows.process(logits)
-        self.positive = proc.positive
-        return proc.dense().view(logits.shape)
+        return proc.dense().view(logits.shape), proc.positive
 
-    def _children(self, q: Tensor, c: int, calls: list[Call]) -> tuple[Tensor, Tensor | None, Tensor]:
-        """``c`` children of each of the ``P`` parents of ``q`` float32 ``[B, P, V]``: tokens int64
+    def _children(self, q: Tensor, positive: bool, c: int, calls: list[Call]) -> tuple[Tensor, Tensor | None, Tensor]:
+        """``c`` children of each of the ``P`` parents of ``q`` float32 ``[B, P, V]`` (``positive``: as
+        :meth:`_probs` says): tokens int64
         ``[B, P * c]`` (each parent's children together), whether each exists (bool, or None: all),
         and each child's parent row ``[B, P * c, V]``."""
         B, P, V = q.shape
@@ -108,7 +108,7 @@ class ModelDrafter:
         if self.how == "deterministic":
             return q.topk(min(c, V), -1).indices.reshape(B, -1), None, rows
         if self.how == "iid":
-            return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels, self.positive).view(B, -1), None, rows
+            return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels, positive).view(B, -1), None, rows
         left, xs, have = q.clone(), [], []
         for _ in range(c):  # without replacement: each draw removes its token from the parent's row
             have.append(left.sum(-1) > 0)
@@ -138,11 +138,11 @@ class ModelDrafter:
             own[:, 1, 0] = state.visible(on[:, 0])
             committed = torch.stack([on[:, 0], torch.zeros_like(on[:, 0])], 1)
             logits = state.forward(toks, positions, own, committed=committed)
-        q = self._probs(logits[:, -1:])
+        q, positive = self._probs(logits[:, -1:])
         self.vocab = q.shape[-1]
         tokens, present, q_rows = [pending[:, 1:]], None, [q]
         for d, c in enumerate(layout.branching, 1):
-            x, have, parent_rows = self._children(q, c, calls)
+            x, have, parent_rows = self._children(q, positive, c, calls)
             tokens.append(x)
             q_rows.append(parent_rows)
             if have is not None or present is not None:
@@ -151,7 +151,7 @@ class ModelDrafter:
                 break
             n = x.shape[1]
             bias = layout.level_bias(d, dev, state.dtype)
-            q = self._probs(state.forward(x, (pos_root + d)[:, None].expand(B, n), bias, prefix=root_slot))
+            q, positive = self._probs(state.forward(x, (pos_root + d)[:, None].expand(B, n), bias, prefix=root_slot))
         q_parent = torch.cat(q_rows, 1) if self.keep_q else None
         return Draft(torch.cat(tokens, 1), present, q_parent, root_slot)
 

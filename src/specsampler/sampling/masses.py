@@ -40,12 +40,12 @@ def masses(w: Tensor, scratch: str | None = None) -> Tensor:
     return m.double() if scratch is None else SCRATCH.get(scratch, w.shape, torch.float64, w.device).copy_(m)
 
 
-def scaled_masses(w: Tensor, z: Tensor | float = 1.0, out: Tensor | None = None) -> Tensor:
+def scaled_masses(w: Tensor, z: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """``floor(fl(w / z) * 2**32)`` float32 (in place in ``w`` unless ``out``), for ``w / z`` non-negative or NaN:
     one pass, as ``trunc(w / (z * 2**-32))`` (scaling by a power of two commutes with rounding; a quotient below
     float32's normal range has mass 0 either way; trunc is floor on non-negatives). ``z``: float32 ``[R, 1]``, or
-    1."""
-    scale = _UNIT32 if isinstance(z, float) and z == 1.0 else z * 2.0**-MASS_BITS
+    None for 1."""
+    scale = _UNIT32 if z is None else z * 2.0**-MASS_BITS
     return torch.div(w, scale, rounding_mode="trunc", out=w if out is None else out)
 
 

@@ -203,7 +203,7 @@ def verify_tree(
     if use_triton(target_probs.device):
         walked = _walk_kernel(c, target_probs, rng, op)
     elif c.method in ("rrs", "traversal") and c.B <= LOOPED_BATCH_PROBS and target_probs.device.type == "cpu":
-        walked = _assemble(c, *_walk_each(c, target_probs.float().reshape(-1, c.V), drawer(c, rng, op, None)))
+        walked = _assemble(c, *_walk_each(c, target_probs.float(), drawer(c, rng, op, None)))
     else:
         walked = _assemble(c, *WALKS[c.method](c, TargetRows(probs=target_probs), rng, op))
     expected = None
@@ -326,7 +326,7 @@ def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Ten
         if cpu and method in ("greedy", "target_only"):
             walked = _assemble(c, *_walk_draws_host(c, logits, proc, draw))
         elif cpu and B <= LOOPED_BATCH:
-            walked = _assemble(c, *_walk_each(c, proc.dense(), draw))
+            walked = _assemble(c, *_walk_each(c, proc.dense().view(B, N, V), draw))
         else:
             walked = _assemble(c, *WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw))
     return _result(walked, walked[1].float() if method == "greedy" else None)
@@ -377,12 +377,12 @@ def _walk_draws_host(c: TreeInputs, logits: Tensor, proc: Processed | None,
 
 def _walk_each(c: TreeInputs, p: Tensor, draw: Callable[[int, int], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """rrs or traversal for each request by its plain loop (:mod:`.reference`, tested equal to the
-    batched walks), on the dense target rows ``p`` ``[B * N, V]``: a request's walk costs a few
+    batched walks), on the dense target rows ``p`` float32 ``[B, N, V]``: a request's walk costs a few
     operations on single rows per node where the batched walk's cost tens of gathers and scatters."""
     from . import reference
 
     u_accept, u_draw = draw(STREAM_ACCEPT, c.N), draw(STREAM_SAMPLE, c.N)
     walk = reference.tree_rrs if c.method == "rrs" else reference.tree_traversal
-    p, wo = p.view(c.B, c.N, c.V), c.sampling == "without_replacement"
+    wo = c.sampling == "without_replacement"
     return _paths(c, [walk(p[b], c.q[b], x, _kids(c.tree, b), u_accept[b], u_draw[b], wo)
                       for b, x in enumerate(c.x_raw.tolist())])
