@@ -254,6 +254,9 @@ def test_the_first_of_the_largest_weight_is_found_from_the_next_largest_logit():
     want = (w == w_max).to(torch.uint8).argmax(-1)
     assert _first_of_largest(x, w, w_max, chunk_max, best).tolist() == want.tolist()
     assert _first_of_largest(x, w, w_max, None, best).tolist() == want.tolist()
+    sub = torch.tensor([7, 3, 11, 2, 8])  # some rows of the batch, read where they lie
+    for cm in (chunk_max[sub], None):
+        assert _first_of_largest(x, w, w_max[sub], cm, best[sub], sub).tolist() == want[sub].tolist()
     assert want[3] == 10 and want[2] == 10 and want[7] == 5  # the cases above are what they say
 
 

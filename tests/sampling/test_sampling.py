@@ -875,3 +875,45 @@ def test_dense_rows_sampled_in_blocks_draw_what_one_call_per_row_draws(monkeypat
         one = ss.sample_from_logits(logits[r:r + 1], params, ss.Philox(torch.tensor([r + 11])), num_logprobs=3)
         assert one.tokens.item() == blocked.tokens[r].item()
         assert torch.equal(one.top_logprobs[0], blocked.top_logprobs[r])
+
+
+_EVERY_KIND = [SP(temperature=0.0), SP(temperature=0.0), SP(0.8, top_k=7), SP(0.8, top_k=7),
+               SP(0.7, top_k=20, top_p=0.8), SP(0.8, top_p=0.9), SP(1.0, top_p=0.5), SP(1.3, min_p=0.1), SP(1.0),
+               SP(0.6)]
+
+
+def _every_kind_batch(V: int):
+    """Rows of every kind (greedy, top-k, top-k + top-p, top-p with a large and a one-token nucleus, min-p,
+    plain), a greedy and a top-k row holding a NaN, with their parameters as per-row tensors."""
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(len(_EVERY_KIND), V, generator=g) * 3
+    logits[1, 5], logits[3, 9] = math.nan, math.nan
+    logits[6, 17] = 40.0
+    fields = ("temperature", "top_k", "top_p", "min_p")
+    return logits, SP(*(torch.tensor([getattr(p, f) for p in _EVERY_KIND]) for f in fields))
+
+
+@pytest.mark.parametrize("V", [300, 4096])
+def test_a_batch_of_every_kind_draws_what_each_row_draws_alone(V):
+    logits, params = _every_kind_batch(V)
+    together = ss.sample_from_logits(logits, params, ss.Philox(torch.arange(len(_EVERY_KIND)) + 5))
+    for r, p in enumerate(_EVERY_KIND):
+        alone = ss.sample_from_logits(logits[r:r + 1], p, ss.Philox(torch.tensor([r + 5])))
+        assert alone.tokens.item() == together.tokens[r].item(), r
+        assert torch.equal(alone.logprobs, together.logprobs[r:r + 1]), r
+    assert together.tokens[1].item() != 5  # the greedy choice never takes the NaN
+
+
+def test_a_batch_of_every_kind_takes_each_kind_s_own_path(monkeypatch):
+    # the plain rows are drawn without writing their distribution, as in a batch of them alone; greedy rows are
+    # read with NaN as -inf only where they hold one (not every row of the batch rewritten)
+    import specsampler.sampling.filters as filters
+    import specsampler.sampling.ops as sampling_ops
+
+    seen = {"plain": [], "nan": []}
+    plain, nan = sampling_ops.sample_plain, filters.nan_as_minus_inf
+    monkeypatch.setattr(sampling_ops, "sample_plain", lambda x, *a: seen["plain"].append(x.shape[0]) or plain(x, *a))
+    monkeypatch.setattr(filters, "nan_as_minus_inf", lambda x: seen["nan"].append(x.shape[0]) or nan(x))
+    logits, params = _every_kind_batch(4096)
+    ss.sample_from_logits(logits, params, ss.Philox(torch.arange(len(_EVERY_KIND))))
+    assert seen == {"plain": [3], "nan": [1]}

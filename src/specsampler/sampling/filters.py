@@ -189,15 +189,20 @@ def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | No
 def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
     """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
     shared = rp.shared  # every row's parameters, known on the host: no reads of the tensors
-    if shared is not None and not (logits and shared.temperature == 0):  # every row top-k: shared.top_k of them
+    mixed = shared is None or (logits and shared.temperature == 0)  # greedy rows among them
+    if not mixed:  # every row top-k: shared.top_k of them
         keep_n = k = int(shared.top_k)
         temperature = rp.temperature
     else:
         keep_n = torch.where(greedy, 1, rp.top_k)
-        if logits and bool(greedy.any()):  # the greedy choice never takes a NaN (greedy.greedy_ids)
-            x = torch.where(greedy[:, None], nan_as_minus_inf(x), x)
         temperature, k = torch.where(greedy, 1.0, rp.temperature), int(keep_n.max())
-    vals, ids = ordered_prefix(x, max(min_candidates, k))
+    n = max(min_candidates, k)
+    vals, ids = ordered_prefix(x, n)
+    if logits and mixed and n:  # the greedy choice never takes a NaN (greedy.greedy_ids): NaN leads a
+        nan = greedy & vals[:, 0].isnan()  # row holding one, and only those rows are ordered again without it
+        if bool(nan.any()):
+            rows_nan = nan.nonzero()[:, 0]
+            vals[rows_nan], ids[rows_nan] = ordered_prefix(nan_as_minus_inf(x[rows_nan]), n)
     w = _candidate_weights(vals, temperature, logits, shared=isinstance(keep_n, int))
     if not isinstance(keep_n, int) or keep_n < w.shape[1]:  # candidates past a row's k: weight 0
         keep_n = keep_n if isinstance(keep_n, int) else keep_n[:, None]

@@ -77,8 +77,8 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
     n_done = int(done.sum())
     if n_done:
         sub = None if n_done == r else done.nonzero()[:, 0]
-        first = _first_of_largest(_take(x, sub), _take(w, sub), _take(w_max, sub),
-                                  _take(chunk_max, sub) if chunk_max is not None else None, _take(best, sub))
+        first = _first_of_largest(x, w, _take(w_max, sub), _take(chunk_max, sub) if chunk_max is not None else None,
+                                  _take(best, sub), sub)
         mass = (_take(m_max, sub) > 0).float()[:, None]  # 1, or 0 for a row without mass
         parts.append(Part(_within(rows, sub), first[:, None], mass))
         if sub is None:
@@ -202,19 +202,25 @@ class _Target:
         return fn(_take(self.lo, sub))
 
 
-def _first_of_largest(x: Tensor, w: Tensor, w_max: Tensor, chunk_max: Tensor | None, best: Tensor) -> Tensor:
+def _first_of_largest(x: Tensor, w: Tensor, w_max: Tensor, chunk_max: Tensor | None, best: Tensor,
+                      sub: Tensor | None = None) -> Tensor:
     """int64 ``[r]``: the first token of each row's (weight desc, id asc) order, the lowest id of the largest
     weight ``w_max`` ``[r, 1]``. Weights do not decrease with the logit ``x``, so the tokens of that weight lead
     the logits' order: it is ``best`` (int64 ``[r]``, the lowest id of the largest logit) where the next largest
     logit weighs less (:func:`_next_weight`, from the chunk maxima); elsewhere (ties at the top, rows without
-    mass, no chunk maxima) found among the logits' first 8 when the 8th weighs less, else by a scan."""
+    mass, no chunk maxima) found among the logits' first 8 when the 8th weighs less, else by a scan.
+
+    x, w: float32 ``[R, V]``; the rows asked about are ``sub`` (int64 ``[r]``; None: all), read where needed
+    rather than copied whole (a batch's other rows may be most of it); w_max, chunk_max, best: those rows'.
+    """
     first = best.clone()
     open_rows = torch.ones_like(first, dtype=torch.bool) if chunk_max is None else ~(
-        _next_weight(x, w, chunk_max, best) < w_max[:, 0])  # a row without mass (w_max 0) stays open
+        _next_weight(x, w, chunk_max, best, sub) < w_max[:, 0])  # a row without mass (w_max 0) stays open
     if not bool(open_rows.any()):
         return first
     rows = open_rows.nonzero()[:, 0]
-    x, w, w_max = x[rows], w[rows], w_max[rows]
+    src = rows if sub is None else sub.index_select(0, rows)
+    x, w, w_max = x[src], w[src], w_max[rows]
     _, ids = ordered_prefix(x, 8, None if chunk_max is None else chunk_max[rows])
     ties = w.gather(1, ids) == w_max
     first[rows] = torch.where(ties, ids, x.shape[1]).amin(-1)
@@ -225,18 +231,20 @@ def _first_of_largest(x: Tensor, w: Tensor, w_max: Tensor, chunk_max: Tensor | N
     return first
 
 
-def _next_weight(x: Tensor, w: Tensor, chunk_max: Tensor, best: Tensor) -> Tensor:
+def _next_weight(x: Tensor, w: Tensor, chunk_max: Tensor, best: Tensor, sub: Tensor | None) -> Tensor:
     """float32 ``[r]``: the weight of a token holding each row's largest logit but ``best``'s, found from the
-    chunk maxima ``[r, V / L]`` of ``x`` float32 ``[r, V]`` (contiguous): ``best``'s chunk without it, then the
-    chunk with the largest maximum (the rows' weights ``w``: any token of that logit has that weight)."""
+    chunk maxima ``[r, V / L]`` of ``x`` float32 ``[R, V]`` (contiguous; the rows ``sub``, None: all): ``best``'s
+    chunk without it, then the chunk with the largest maximum (the rows' weights ``w``: any token of that logit
+    has that weight)."""
     r, n = chunk_max.shape
     L = x.shape[1] // n
-    chunks, row = x.view(r, n, L), torch.arange(r, device=x.device)
+    chunks = x.view(x.shape[0], n, L)
+    row = torch.arange(r, device=x.device) if sub is None else sub
     c = best // L
     own = chunks[row, c].scatter(1, (best % L)[:, None], float("-inf"))
     c2 = chunk_max.scatter(1, c[:, None], own.amax(-1, keepdim=True)).argmax(-1)
     at = c2 * L + torch.where((c2 == c)[:, None], own, chunks[row, c2]).argmax(-1)
-    return w.gather(1, at[:, None])[:, 0]
+    return w[row, at]
 
 
 def _max(x: Tensor, chunk_max: Tensor | None) -> tuple[Tensor, Tensor]:
