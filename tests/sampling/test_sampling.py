@@ -326,6 +326,35 @@ def test_top_candidates_from_chunk_maxima_are_the_exact_ordered_prefix(n, L, chu
         assert vals[b].tolist() == scores[b, expected].tolist()
 
 
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_ties_at_the_cut_of_a_whole_row_top_k_go_to_the_lowest_ids(n):
+    # the tied rows' lowest ids are found from the rows' starts, read further only where too few tie there: ties
+    # early (a mask's -inf, a flat row), late (past the first reads), NaN leading, -0.0 tying with 0.0
+    from specsampler.sampling.topk import _ordered_prefix_of_rows
+
+    V = 20000
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randint(-3, 4, (8, V), generator=g).float()
+    scores[0] = -float("inf")
+    scores[0, torch.randperm(V, generator=g)[:3]] = torch.tensor([2.0, 5.0, 2.0])  # a mask leaving 3 tokens
+    scores[1] = 0.0  # flat
+    scores[2] = torch.arange(V, dtype=torch.float32)
+    scores[2, V - 9000:] = 7.5  # the tie only at the end, past 8 times the first read
+    scores[2, V - 1] = 1e6
+    scores[3, 4000] = float("nan")
+    scores[4] = -1.0
+    scores[4, ::2] = -0.0
+    scores[4, [5, 77, 19001]] = 0.0
+    scores[5] = scores[5].clamp(max=0)  # many ties at 0 throughout
+    vals, ids = _ordered_prefix_of_rows(scores, n)
+    for b in range(8):
+        row = scores[b].tolist()
+        expected = sorted(range(V), key=lambda i: (0 if math.isnan(row[i]) else 1, -row[i] if row[i] == row[i]
+                                                    else 0, i))[:n]
+        assert ids[b].tolist() == expected, b
+        torch.testing.assert_close(vals[b], scores[b, expected], rtol=0, atol=0, equal_nan=True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 12),
@@ -518,6 +547,26 @@ def test_radix_cut_splits_a_crowded_crossing_bin(case):
     kept = cut_to_mass(w, target)
     _assert_cut(w, target, kept)
     assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()
+
+
+def test_radix_cut_of_rows_whose_crossing_bin_ties_counts_their_tokens():
+    # thousands of equal weights pending (a flat row, a flat tail below a few larger ones, weights below the
+    # masses' unit): kept by count in position order; the target on, just past and just short of a multiple of
+    # their mass; a row of unequal pending tokens beside them still split by its digits
+    from specsampler.sampling.processing import cut_to_mass
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.full((6, 3000), 0.3)
+    w[1, [5, 2000]] = 0.9  # two heavier tokens, then the flat rest
+    w[2] = 2.0**-40  # no mass at all
+    w[3] = 0.99 + torch.rand(3000, generator=g) / 100  # unequal: split by the later digits
+    m = float(int(0.3 * 2**32))
+    target = torch.tensor([1000 * m, 2 * int(0.9 * 2**32) + 17 * m + 1, 5.0, 0.0, 999 * m - 1, 4000 * m],
+                          dtype=torch.float64)
+    target[3] = ((w[3].double() * 2**32).floor().sum() * 0.6).floor()
+    kept = cut_to_mass(w, target)
+    _assert_cut(w, target, kept)
+    assert (kept > 0).sum(-1).tolist()[:1] + (kept > 0).sum(-1).tolist()[4:] == [1000, 999, 3000]
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -459,6 +459,30 @@ def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target:
     return w
 
 
+def _settle_equal(w: Tensor, b: Tensor, col: Tensor, above: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_settle` of the rows whose pending tokens ``w[b, col]`` all weigh the same: in position order (their
+    order), each adds the same mass m, so a row keeps the first ``k`` of them, the fewest with ``above + k m``
+    reaching ``target`` (none once ``above`` does; all where m is 0 and it does not), and zeroes the rest in place;
+    no ordering, whatever their number (every token of a flat row ties). Returns the other rows' pending tokens."""
+    r = w.shape[0]
+    v = w[b, col]
+    low = torch.full((r,), torch.inf, device=w.device).scatter_reduce_(0, b, v, "amin")
+    high = torch.full((r,), -torch.inf, device=w.device).scatter_reduce_(0, b, v, "amax")
+    equal = (low == high).index_select(0, b)
+    if not bool(equal.any()):
+        return b, col
+    counts = torch.bincount(b, minlength=r)
+    m = masses(low.clamp(min=0.0))  # every pending token's mass, in the rows where they are equal
+    short = (target - above).clamp(min=0.0)  # exact integers in float64
+    k = torch.ceil(short / m.clamp(min=1.0))
+    k = k - ((k - 1) * m >= short).double() + (k * m < short).double()  # the division's rounding, corrected
+    k = torch.where(m > 0, k, torch.where(short > 0, counts.double(), 0.0))
+    rank = torch.arange(b.numel(), device=w.device) - (counts.cumsum(0) - counts).index_select(0, b)
+    drop = equal & (rank >= k.index_select(0, b))
+    w[b[drop], col[drop]] = 0.0
+    return b[~equal], col[~equal]
+
+
 def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, target: Tensor) -> None:
     """Zeroes, in place, the tokens ``w[b, col]`` of each row's crossing bin of the first digit
     that lie past the cut: they are split by 11 bits at a time (the bits they do not yet
@@ -468,6 +492,8 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
     above: float64 ``[r]``, the mass of the tokens above the bin (updated); target: float64 ``[r]``.
     """
     r = w.shape[0]
+    if b.numel() > r * _RADIX_SORT:  # rows whose pending tokens all weigh the same (a flat row) are cut by count
+        b, col = _settle_equal(w, b, col, above, target)
     # the bits the pending tokens of each row share: those above bit 17, but none in bin 0
     shared = torch.where(crossing[:, 0] > 0, _RADIX_SHIFT, 31)
     while b.numel() > r * _RADIX_SORT and bool(shared.any()):

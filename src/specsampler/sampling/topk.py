@@ -48,18 +48,38 @@ def _ordered_prefix_of_rows(scores: Tensor, n: int) -> tuple[Tensor, Tensor]:
     tie = vals[:, n - 1] == vals[:, n]
     vals, ids = vals[:, :n], ids[:, :n]
     if bool(tie.any()):
+        # a tied row: the entries above its n-th value (NaN included) lead the top-k already; the rest are the
+        # lowest ids holding that value
         rows = tie.nonzero()[:, 0]
-        s = scores[rows]
-        cut = vals[rows, n - 1 : n]
-        above = (s > cut) | s.isnan()
-        at = s == cut
-        keep = above | (at & (at.cumsum(-1) <= n - above.sum(-1, keepdim=True)))
-        sel = keep.nonzero()[:, 1].view(-1, n)
-        ids, vals = ids.clone(), vals.clone()
-        ids[rows], vals[rows] = sel, s.gather(1, sel)
+        head, head_ids = vals[rows], ids[rows]
+        cut = head[:, n - 1 : n]
+        n_above = (head.isnan() | (head > cut)).sum(-1, keepdim=True)
+        at = torch.arange(n, device=scores.device)
+        equal = _first_equal(scores, rows, cut, n - n_above[:, 0]).gather(1, (at - n_above).clamp_(min=0))
+        sel = torch.where(at < n_above, head_ids, equal)
+        ids[rows], vals[rows] = sel, scores[rows[:, None], sel]
     ids, perm = ids.sort(dim=-1)
     vals, perm2 = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
     return vals, ids.gather(1, perm2)
+
+
+def _first_equal(scores: Tensor, rows: Tensor, value: Tensor, need: Tensor) -> Tensor:
+    """int64 ``[r, max(need)]``: the ids of the first ``need`` (int64 ``[r]``, at least 1) entries of rows ``rows``
+    (int64 ``[r]``) of ``scores`` float32 ``[R, V]`` equal to their ``value`` ``[r, 1]``, in id order (past a row's
+    ``need``: not meaningful). Read from the rows' starts, a prefix 8 times longer each time some row has too few
+    there: ties at a row's cut (a mask's -inf, a flat row) usually start early, and a whole-row pass costs more
+    than a few short ones."""
+    r, V = rows.numel(), scores.shape[1]
+    width = min(V, 1024)
+    while True:
+        equal = scores[rows, :width] == value
+        found = equal.sum(-1)
+        if width == V or bool((found >= need).all()):
+            break
+        width = min(V, 8 * width)
+    k = int(need.max())
+    # the j-th equal entry: the first place where the running count reaches j
+    return torch.searchsorted(equal.cumsum(-1), torch.arange(1, k + 1, device=scores.device).expand(r, k).contiguous())
 
 
 def _ordered_prefix_of_entries(b: Tensor, r: int, vals: Tensor, ids: Tensor, n: int) -> tuple[Tensor, Tensor]:
