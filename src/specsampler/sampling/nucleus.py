@@ -83,16 +83,17 @@ def _nucleus_block(rows, x, rp, logits) -> list[Part]:
         parts.append(Part(_within(rows, sub), first[:, None], mass))
         if sub is None:
             return parts
-    sub = _rows_where(~done)
-    rows, x, w, w_max, rp = _within(rows, sub), _take(x, sub), _take(w, sub), _take(w_max, sub), _take_params(rp, sub)
-    chunk_max = _take(chunk_max, sub) if chunk_max is not None else None
-    r = w.shape[0]
-    if V <= _COUNT_WHOLE:  # short rows: counting them whole costs less than estimating
-        return parts + _counted_nuclei(rows, w, rp, w_max)
-    target = target.take(w, sub)
-    done = torch.zeros(r, dtype=torch.bool, device=x.device)
+    if V <= _COUNT_WHOLE or 2 * n_done > r:  # the rows that go on, copied (or most rows go on, and stay in place:
+        sub = _rows_where(~done)  # copying them costs more than the later passes reading the few done ones too)
+        rows, x, w, w_max = _within(rows, sub), _take(x, sub), _take(w, sub), _take(w_max, sub)
+        rp, chunk_max = _take_params(rp, sub), _take(chunk_max, sub) if chunk_max is not None else None
+        r = w.shape[0]
+        if V <= _COUNT_WHOLE:  # short rows: counting them whole costs less than estimating
+            return parts + _counted_nuclei(rows, w, rp, w_max)
+        target = target.take(w, sub)
+        done = torch.zeros(r, dtype=torch.bool, device=x.device)
     lb, likely, size = _nucleus_bound(w, w_max, target.high(), target.hi, chunk_max)
-    small = size <= SMALL_NUCLEUS // 2
+    small = (size <= SMALL_NUCLEUS // 2) & ~done
     if bool(small.any()):  # a small nucleus: among the most likely tokens, found as for top-k
         sub = _rows_where(small)
         vals, head = ordered_prefix(_take(x, sub), SMALL_NUCLEUS, _take(chunk_max, sub) if chunk_max is not None
