@@ -220,6 +220,55 @@ def test_a_request_verifies_the_same_whatever_its_neighbours():
                 assert alone.path[0].tolist() == full.path[b, :D].tolist()
 
 
+@pytest.mark.parametrize("method", ["rrs", "traversal"])
+@pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
+def test_walks_holding_top_k_rows_by_their_candidates_equal_the_dense_walks(method, sampling, monkeypatch):
+    # rows of top-k (and greedy) requests are held by their candidates, the draft rows read at them: the same
+    # paths and tokens as over whole rows, with rejections, deletions, drafts out of range or off the candidates,
+    # draft rows of zeros, a mask leaving fewer tokens than k, and rows without mass
+    import specsampler.verify.walks as walks
+
+    g = torch.Generator().manual_seed(7)
+    B, V = 10, 2048
+    parents = torch.tensor([shape_parents([3, 2, 1])] * B)
+    N = parents.shape[1]
+    logits = torch.randn(B, N, V, generator=g) * 2
+    # each draft drawn from a draft row near the target's at its parent (the residuals then move the mass among
+    # the candidates)
+    at_parent = logits.gather(1, parents.clamp(min=0)[..., None].expand(B, N, V))
+    q = torch.softmax(at_parent * 3 + torch.randn(B, N, V, generator=g), -1)
+    x = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    x[3, 2] = V + 5  # out of range: never accepted
+    q[6, 1] = 0.0  # a draft row of zeros
+    logits[4, :, 50:] = -float("inf")  # 50 tokens left, fewer than k = 64
+    logits[5, 0] = -float("inf")  # a root without mass whose k = 40 candidates are NaN, none of them id 0
+    logits[5, 0, 1000:1040] = float("nan")
+    params = SP(temperature=torch.tensor([3.0, 2.7, 0.0, 3.3, 3.0, 3.0, 2.9, 3.0, 4.0, 3.0]),
+                top_k=torch.tensor([64, 5, 0, 64, 64, 40, 1, 64, 64, 20]),
+                top_p=torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0, 1.0, 0.95, 1.0, 1.0]))
+    seen = []
+    held = walks.TargetRows.held
+    monkeypatch.setattr(walks.TargetRows, "held", lambda self, b, node: seen.append(self.few) or held(self, b, node))
+    seeds = [torch.arange(B) * 7 + s for s in range(8)]
+
+    def verify(seed, b=slice(None)):  # every request, or request 5 alone (its rows then keep only its 40)
+        one = SP(*(getattr(params, f)[b] for f in ("temperature", "top_k", "top_p")))
+        return ss.verify_tree_from_logits(logits[b], x[b], TokenTree.from_parents(parents[b]), one, draft_probs=q[b],
+                                          method=method, draft_sampling=sampling, rng=ss.Philox(seed[b]))
+
+    calls = [(seed, slice(None)) for seed in seeds] + [(seeds[0], slice(5, 6))]
+    held_rows = [verify(*call) for call in calls]
+    assert seen and set(seen) == {64, 40}
+    monkeypatch.setattr(walks, "_few_candidates", lambda rp, V: 0)  # whole rows
+    for call, out in zip(calls, held_rows):
+        dense = verify(*call)
+        for field in ("path", "tokens", "num_accepted", "last_node"):
+            assert torch.equal(getattr(out, field), getattr(dense, field)), field
+    accepted = torch.stack([out.num_accepted for out in held_rows[:-1]])
+    assert accepted.max() > 1 and accepted.min() == 0
+    assert held_rows[-1].tokens[0, 0] == 0  # a row without mass draws token 0, not its first candidate
+
+
 @pytest.mark.parametrize("method", ["target_only", "rrs", "greedy"])
 def test_from_logits_reads_only_the_rows_on_the_walk(method):
     torch.manual_seed(4)

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..params import RowParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, planned
 from ..sampling.greedy import greedy_ids
-from ..sampling.masses import as_weight, divide_by
+from ..sampling.masses import as_weight, divide_by, has_mass, sample_by_inversion
 from ..sampling.processing import SCRATCH, Processed, process
 from ..sampling.vocab import Vocab
 from .drafts import Drafts
@@ -53,6 +53,21 @@ class TargetRows:
     def __init__(self, probs: Tensor | None = None, logits: Tensor | None = None, rp: RowParams | None = None,
                  mask: Tensor | None = None):
         self.probs, self.logits, self.rp, self.mask = probs, logits, rp, mask
+        self.few = _few_candidates(rp, logits.shape[-1]) if logits is not None and rp is not None else 0
+
+    def held(self, b: Tensor, node: Tensor) -> tuple[Tensor | None, Tensor]:
+        """The rows ``(b[i], node[i])`` as the rrs and traversal walks hold them: ``(None, probabilities float32
+        [m, V])``; or, where every row keeps a few candidates (:attr:`few`, their most: top-k or greedy rows of a
+        wide vocabulary), their ids int64 ``[m, few]`` in increasing order and probabilities float32 ``[m, few]``,
+        padded with id 0 at probability 0 (the other columns are 0: a walk's residuals stay among them)."""
+        proc = self.at(b, node)
+        if not self.few:
+            return None, proc.dense()
+        if not b.numel():  # no rows: no parts of candidates
+            return torch.zeros(0, self.few, dtype=torch.int64, device=b.device), torch.zeros(0, self.few,
+                                                                                            device=b.device)
+        pad = lambda t: torch.nn.functional.pad(t, (0, self.few - t.shape[1]))  # noqa: E731
+        return proc._per_row(lambda part: (pad(part.ids), pad(part.probs)))
 
     @staticmethod
     def _rows(t: Tensor, flat: Tensor) -> Tensor:
@@ -81,6 +96,42 @@ class TargetRows:
     def argmax(self, b: Tensor, node: Tensor) -> Tensor:
         flat = self._flat(b, node)
         return greedy_ids(self._rows(self.probs, flat) if self.probs is not None else self._logits(b, node, flat))
+
+
+_FEW = 1024  # candidates a row may keep for the walks to hold it by its candidates
+
+
+def _few_candidates(rp: RowParams, V: int) -> int:
+    """The most candidates a row is processed into where every row keeps at most :data:`_FEW` (top-k, greedy) in
+    a vocabulary at least 8 times wider; else 0."""
+    s = rp.shared if rp.shared is not None else rp
+    keep = torch.where(torch.as_tensor(s.temperature) == 0, 1, torch.as_tensor(s.top_k))
+    return int(keep.max()) if keep.numel() and bool(((keep > 0) & (keep <= min(_FEW, V // 8))).all()) else 0
+
+
+def _valid_q(c: TreeInputs) -> bool:
+    """Whether the draft rows the walks read (the children's) hold no value below 0 and no NaN: a residual
+    ``max(r - q, 0)`` is then 0 wherever ``r`` is."""
+    low = c.q.amin(-1)  # a minimum is one read; NaN propagates
+    return bool((torch.where(c.tree.depth > 0, low, 0.0) >= 0).all())
+
+
+def _value(r: Tensor, ids: Tensor | None, x: Tensor, vocab: Vocab) -> Tensor:
+    """float32 ``[m]``: rows ``r`` (dense, or held by their candidates ``ids``) at tokens ``x`` int64 ``[m]``."""
+    return vocab.value(r, x) if ids is None else torch.where(ids == x[:, None], r, 0.0).sum(-1)
+
+
+def _at(q: Tensor, ids: Tensor | None) -> Tensor:
+    """Dense rows ``q`` ``[m, V]`` at the columns of rows held as ``ids`` (None: all of them)."""
+    return q if ids is None else q.gather(1, ids)
+
+
+def _draw(r: Tensor, ids: Tensor | None, u: Tensor, vocab: Vocab) -> Tensor:
+    """:meth:`Vocab.draw` of rows ``r`` (dense, or held by their candidates ``ids``): the same token, and 0 for a
+    row without mass, as over the dense rows."""
+    if ids is None:
+        return vocab.draw(r, u)
+    return torch.where(has_mass(r), ids.gather(1, sample_by_inversion(r, u)[:, None])[:, 0], 0)
 
 
 class _ChildIndex:
@@ -148,21 +199,29 @@ def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[
     u_accept = draw(STREAM_ACCEPT, c.N)
     u_draw = draw(STREAM_SAMPLE, c.N)
     path, n, y_out, walking = _walk_start(c)
+    few = getattr(rows, "few", 0) and c.columns is None and _valid_q(c)
     for d in range(D + 1):
         v = path[walking, d]
-        r = rows.at(walking, v).dense()  # owned: updated in place below
+        ids, r = rows.held(walking, v) if few else (None, rows.at(walking, v).dense())  # owned: updated below
         kid = t.first_child[walking, v]
         q_shared = c.q[walking, kid.clamp(min=0)] if c.sampling == "without_replacement" else None
         chosen = torch.full_like(kid, -1)
         trying = (kid >= 0).nonzero()[:, 0]
         while trying.numel():
             b, k = walking[trying], kid[trying]
-            q = q_shared[trying] if q_shared is not None else c.q[b, k]
             xk = c.x[b, k]
-            ok = c.usable[b, k] & (u_accept[b, k] * vocab.value(q, xk) < vocab.value(r[trying], xk))
+            held = None if ids is None else ids[trying]
+            q = q_shared[trying] if q_shared is not None else c.q[b, k] if ids is None else None
+            q_x = c.q[b, k, xk] if q is None else vocab.value(q, xk)  # held rows: q read where needed only
+            ok = c.usable[b, k] & (u_accept[b, k] * q_x < _value(r[trying], held, xk, vocab))
             chosen[trying[ok]] = k[ok]
-            rej, q = trying[~ok], q[~ok]
-            residual = (r[rej] - q).clamp_(min=0.0)
+            rej = trying[~ok]
+            if q is None:
+                q_rej = c.q[b[~ok, None], k[~ok, None], held[~ok]]
+            else:
+                q = q[~ok]
+                q_rej = _at(q, None if ids is None else held[~ok])
+            residual = (r[rej] - q_rej).clamp_(min=0.0)
             mass = vocab.mass(residual, keepdim=True)
             r[rej] = torch.where(mass > 0, divide_by(residual, mass), r[rej])
             if q_shared is not None:
@@ -173,7 +232,7 @@ def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[
         path[walking[moved], d + 1] = chosen[moved]
         stop = (~moved).nonzero()[:, 0]
         bs = walking[stop]
-        n[bs], y_out[bs] = d, vocab.draw(r[stop], u_draw[bs, v[stop]])
+        n[bs], y_out[bs] = d, _draw(r[stop], None if ids is None else ids[stop], u_draw[bs, v[stop]], vocab)
         walking = walking[moved]
         if walking.numel() == 0:
             break
@@ -195,22 +254,35 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
     u_draw = draw(STREAM_SAMPLE, N)
     stack = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # the current leftmost path
     top = torch.zeros(B, dtype=torch.int64, device=dev)  # its last slot
-    mb = torch.zeros(B, D + 1, V, device=dev)
+    # the slots' rows held by their candidates where the target rows keep few
+    few = rows.few if getattr(rows, "few", 0) and c.columns is None and _valid_q(c) else 0
+    mb = torch.zeros(B, D + 1, few or V, device=dev)
+    ids = torch.zeros(B, D + 1, few, dtype=torch.int64, device=dev) if few else None
     ms = torch.zeros(B, D + 1, V, device=dev) if wo else None
     a = torch.zeros(B, D + 1, device=dev)
     everyone = torch.arange(B, device=dev)
     stack[:, 0], a[:, 0] = 0, 1.0
-    mb[:, 0] = rows.at(everyone, stack[:, 0]).dense()
+
+    def hold(b: Tensor, j: Tensor, node: Tensor):
+        """Slot j of requests b holds the target row at ``node``."""
+        held, mb[b, j] = rows.held(b, node) if few else (None, rows.at(b, node).dense())
+        if few:
+            ids[b, j] = held
+
+    def held(b: Tensor, j: Tensor) -> Tensor | None:
+        return None if ids is None else ids[b, j]
+
+    hold(everyone, top, stack[:, 0])
 
     def push(b: Tensor, node: Tensor):
         """Put ``node`` (a child of the node in slot top[b]) in the next slot of requests b."""
         j, x = top[b], c.x[b, node]
-        q_x = vocab.value(ms[b, j] if wo else c.q[b, node], x)
-        ratio = _ratio(a[b, j] * vocab.value(mb[b, j], x), q_x)
+        q_x = vocab.value(ms[b, j], x) if wo else c.q[b, node, x] if few else vocab.value(c.q[b, node], x)
+        ratio = _ratio(a[b, j] * _value(mb[b, j], held(b, j), x, vocab), q_x)
         top[b] = j + 1
         stack[b, j + 1] = node
         a[b, j + 1] = torch.where(c.usable[b, node], ratio, 0.0)
-        mb[b, j + 1] = rows.at(b, node).dense()
+        hold(b, j + 1, node)
 
     def descend(b: Tensor):
         """Extend the paths of requests b down first children to a leaf."""
@@ -237,15 +309,16 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
         jd = top[done]
         path[done] = torch.where(pos <= jd[:, None], stack[done], -1)
         n[done] = jd
-        y_out[done] = vocab.draw(mb[done, jd], u_draw[done, stack[done, jd]])
+        y_out[done] = _draw(mb[done, jd], held(done, jd), u_draw[done, stack[done, jd]], vocab)
         # delete the rejected leaves; update their parents (slot j - 1)
         b = walking[~accept]
         walking = b
         if b.numel() == 0:
             break
         leaf, j = stack[b, top[b]], top[b] - 1
-        q = ms[b, j] if wo else c.q[b, leaf]
-        w = (a[b, j, None] * mb[b, j] - q).clamp_(min=0.0)
+        q = ms[b, j] if wo else None if few else c.q[b, leaf]
+        q_cols = c.q[b[:, None], leaf[:, None], ids[b, j]] if q is None else _at(q, held(b, j))  # held: no row copied
+        w = (a[b, j, None] * mb[b, j] - q_cols).clamp_(min=0.0)
         mass = vocab.mass(w)
         mb[b, j] = torch.where(mass[:, None] > 0, divide_by(w, mass[:, None]), mb[b, j])
         # a = 0 (a node never accepted: its token out of range, or p(x) = 0) stays 0, even where bad
