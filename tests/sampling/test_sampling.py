@@ -933,11 +933,12 @@ _EVERY_KIND = [SP(temperature=0.0), SP(temperature=0.0), SP(0.8, top_k=7), SP(0.
 
 def _every_kind_batch(V: int):
     """Rows of every kind (greedy, top-k, top-k + top-p, top-p with a large and a one-token nucleus, min-p,
-    plain), a greedy and a top-k row holding a NaN, with their parameters as per-row tensors."""
+    plain, one far from zero), a greedy and a top-k row holding a NaN, with their parameters as per-row tensors."""
     g = torch.Generator().manual_seed(V)
     logits = torch.randn(len(_EVERY_KIND), V, generator=g) * 3
     logits[1, 5], logits[3, 9] = math.nan, math.nan
     logits[6, 17] = 40.0
+    logits[9] += 3e7  # a plain row far from zero: its weights subtract the top first
     fields = ("temperature", "top_k", "top_p", "min_p")
     return logits, SP(*(torch.tensor([getattr(p, f) for p in _EVERY_KIND]) for f in fields))
 
@@ -961,7 +962,8 @@ def test_a_batch_of_every_kind_takes_each_kind_s_own_path(monkeypatch):
 
     seen = {"plain": [], "nan": []}
     plain, nan = sampling_ops.sample_plain, filters.nan_as_minus_inf
-    monkeypatch.setattr(sampling_ops, "sample_plain", lambda x, *a: seen["plain"].append(x.shape[0]) or plain(x, *a))
+    monkeypatch.setattr(sampling_ops, "sample_plain", lambda x, rp, u, *a: seen["plain"].append(u.numel())
+                        or plain(x, rp, u, *a))
     monkeypatch.setattr(filters, "nan_as_minus_inf", lambda x: seen["nan"].append(x.shape[0]) or nan(x))
     logits, params = _every_kind_batch(4096)
     ss.sample_from_logits(logits, params, ss.Philox(torch.arange(len(_EVERY_KIND))))

@@ -266,12 +266,13 @@ def _plain_weights(x: Tensor, top: Tensor, rp: RowParams, logits: bool, w_max: T
     return w.mul_(w >= rp.min_p[:, None] * w_max), w_max
 
 
-def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int) -> tuple[Tensor, Tensor]:
+def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The draws of plain rows of logits (temperature and min-p) and their log-probabilities, without keeping
     their distributions: the tokens and log-probabilities of ``process(x, rp, logits=True)`` (:func:`_plain_part`)
     sampled by inversion of ``u``, the same numbers.
 
-    x: float32 ``[R, V]``; rp: the rows' parameters; u: float32 ``[R]``. Returns int64 ``[R]`` and float32 ``[R]``.
+    x: float32 ``[R, V]``, or the rows ``rows`` (int64 ``[r]``) of it, read in place (a batch's other rows are of
+    other kinds); rp: the rows' parameters; u: float32 ``[R]`` (``[r]``). Returns int64 ``[R]`` and float32 ``[R]``.
     The passes over every value (the weights, the exact row mass, sums of the normalised chunks' masses) run
     ``step`` rows at a time in reused buffers (fresh pages cost more than the passes, and a block stays in the
     CPU's caches), with few other ops a block; then every row's draw is located at once from the chunks' bounds
@@ -279,7 +280,8 @@ def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int) -> tuple[Tensor
     same elementwise arithmetic, so the same values. Rows whose ``top * c`` is not finite or far from zero (see
     :func:`_weights`) are redone whole after the blocks.
     """
-    R, V = x.shape
+    V = x.shape[1]
+    R = x.shape[0] if rows is None else rows.numel()
     shared = rp.shared is not None
     c = _scale(rp.temperature)
     top = x.new_empty(R, 1)
@@ -288,7 +290,8 @@ def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int) -> tuple[Tensor
     w_max = None if rp.all_equal("min_p", 0) else x.new_empty(R, 1)
     for s in range(0, R, step):
         e = min(R, s + step)
-        block = x[s:e]
+        block = x[s:e] if rows is None else torch.index_select(
+            x, 0, rows[s:e], out=SCRATCH.get("plain rows", (e - s, V), x.dtype, x.device))
         tc = torch.amax(block, -1, keepdim=True, out=top[s:e]) * c[s:e]
         out = SCRATCH.get("weights", (block.numel() + _VECTOR_BODY,), torch.float32, x.device)
         w = _exp2_weights(block, float(c[0]) if shared else c[s:e], tc, out)  # rows with a far top: redone below
@@ -299,23 +302,23 @@ def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int) -> tuple[Tensor
         sums[s:e] = chunk_sums(normalised_masses(w, mass[s:e], f))
     far = ~((top * c).abs() < _FAR)[:, 0]  # NaN or infinite tops too
     if bool(far.any()):
-        rows = far.nonzero()[:, 0]
-        w, row_max = _plain_weights(x[rows], top[rows], rp.take(rows), True)
-        if w_max is not None:
-            w_max[rows] = row_max
-        mass[rows] = row_mass(w, keepdim=True)
-        sums[rows] = chunk_sums(masses(divide_by_(w, mass[rows])).float())
+        redo = far.nonzero()[:, 0]
+        w, row_max = _plain_weights(x[_within(rows, redo)], top[redo], rp.take(redo), True)
+        if w_max is not None:  # (None where none of these rows has min-p: a number all the same)
+            w_max[redo] = w.amax(-1, keepdim=True) if row_max is None else row_max
+        mass[redo] = row_mass(w, keepdim=True)
+        sums[redo] = chunk_sums(masses(divide_by_(w, mass[redo])).float())
     lo, hi = chunk_sum_bounds(sums)
     odd = odd_masses(mass)  # drawn exactly (normalised_masses does not apply; never from logits: the top weighs 1)
     lo.masked_fill_(odd, float("nan"))
 
-    def probs(rows: Tensor | None, cols: Tensor | None) -> Tensor:
-        """The probabilities of rows (None: all) at columns int64 ``[R, n]`` (None: every column)."""
-        vals = _take(x, rows)
-        vals = vals if cols is None else vals.gather(1, cols)
-        w, _ = _plain_weights(vals, _take(top, rows), _take_params(rp, rows), True,
-                              None if w_max is None else _take(w_max, rows))
-        return divide_by_(w, _take(mass, rows))
+    def probs(sel: Tensor | None, cols: Tensor | None) -> Tensor:
+        """The probabilities of rows ``sel`` (None: all) at columns int64 ``[R, n]`` (None: every column)."""
+        src = _within(rows, sel)  # the rows of x
+        vals = _take(x, src) if cols is None else x.gather(1, cols) if src is None else x[src[:, None], cols]
+        w, _ = _plain_weights(vals, _take(top, sel), _take_params(rp, sel), True,
+                              None if w_max is None else _take(w_max, sel))
+        return divide_by_(w, _take(mass, sel))
 
     tokens = draw_in_bounds(lo, hi, u, V, lambda cols: masses(probs(None, cols)),
                             lambda rows: masses(probs(rows, None)))

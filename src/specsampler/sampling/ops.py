@@ -267,9 +267,9 @@ def sample_from_logits(
         tokens, logprobs = sample_plain(x, rp, u, step)
     else:
         tokens, logprobs = torch.empty(R, dtype=torch.int64, device=x.device), x.new_empty(R)
-        for rows, draw in ((plain.nonzero()[:, 0], lambda x, rp, u: sample_plain(x, rp, u, step)),
-                           ((~plain).nonzero()[:, 0], lambda x, rp, u: _sample_rows(x, rp, u, 0)[:2])):
-            tokens[rows], logprobs[rows] = draw(x.index_select(0, rows), rp.take(rows), u.index_select(0, rows))
+        for rows, draw in ((plain.nonzero()[:, 0], lambda rows: sample_plain(x, rp.take(rows), u[rows], step, rows)),
+                           ((~plain).nonzero()[:, 0], lambda rows: _sample_rows(x, rp.take(rows), u[rows], 0, rows))):
+            tokens[rows], logprobs[rows] = draw(rows)[:2]  # each kind's rows read where they lie
     if num_logprobs:
         top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
     return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), top_ids, top_lp)
@@ -288,11 +288,13 @@ def _plain_rows(rp: RowParams, V: int) -> bool | Tensor:
     return (rp.temperature > 0) & ((rp.top_k <= 0) | (rp.top_k >= V)) & (rp.top_p >= 1)
 
 
-def _sample_rows(x: Tensor, rp: RowParams, u: Tensor, num_logprobs: int) -> tuple[Tensor, ...]:
+def _sample_rows(x: Tensor, rp: RowParams, u: Tensor, num_logprobs: int,
+                 among: Tensor | None = None) -> tuple[Tensor, ...]:
     """Tokens int64 ``[r]``, their log-probabilities and the top ``num_logprobs`` ids and log-probabilities (or
-    None) of rows ``x`` float32 ``[r, V]``. Each row's numbers are its own whatever the rows beside it, so
-    :func:`sample_from_logits` takes a batch in blocks whose temporaries stay in the CPU's caches."""
-    proc = process(x, rp, logits=True, min_candidates=num_logprobs)
+    None) of rows ``x`` float32 ``[r, V]`` (or of its rows ``among``, int64 ``[r]``: :func:`process`). Each row's
+    numbers are its own whatever the rows beside it, so :func:`sample_from_logits` takes a batch in blocks whose
+    temporaries stay in the CPU's caches."""
+    proc = process(x, rp, logits=True, min_candidates=num_logprobs, among=among)
     tokens = proc.sample(u)
     logprobs = in_vector_body(torch.log, proc.prob(tokens))
     return (tokens, logprobs, *(proc.top(num_logprobs) if num_logprobs else (None, None)))

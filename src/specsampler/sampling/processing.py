@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..params import RowParams
 from .distributions import Part, Processed, _take, sample_by_inversion
-from .filters import _bounded_part, _plain_part, _rows_where, _take_params
+from .filters import _bounded_part, _plain_part, _rows_where, _take_params, _within
 from .nucleus import _nucleus_parts, cut_to_mass
 from .rounding import in_vector_body, padded_row_sum, row_sum
 from .scratch import SCRATCH
@@ -24,7 +24,8 @@ __all__ = ["SCRATCH", "Part", "Processed", "cut_to_mass", "in_vector_body", "ord
            "process", "row_sum", "sample_by_inversion"]
 
 
-def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) -> Processed:
+def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0,
+            among: Tensor | None = None) -> Processed:
     """Apply temperature (if ``logits``), top-k, top-p and min-p to each row, renormalised.
 
     x: float32 ``[R, V]``: masked logits (``-inf`` = masked) or, with ``logits=False``,
@@ -32,8 +33,10 @@ def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) 
     rp: per-row parameters ``[R]``.
     min_candidates: keep at least this many candidates in rows of at most that many
         tokens' support found by top-k (for top-N log-probabilities).
+    among: int64 ``[r]``: process only these rows of ``x`` (``rp``: theirs), as if they were ``x``; each kind's rows
+        are then read from ``x`` once.
     """
-    R, V = x.shape
+    R, V = x.shape if among is None else (among.numel(), x.shape[1])
     on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
     greedy, bounded, nucleus, plain = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, V, logits)
     if isinstance(nucleus, Tensor) and R and bool(nucleus.all()):  # the common case: rows of one kind
@@ -41,16 +44,16 @@ def process(x: Tensor, rp: RowParams, *, logits: bool, min_candidates: int = 0) 
     parts = []
     some, rows = _rows_of(plain, R)
     if some or R == 0:
-        parts.append(_plain_part(rows, _take(x, rows), _take_params(rp, rows), logits))
+        parts.append(_plain_part(rows, _take(x, _within(among, rows)), _take_params(rp, rows), logits))
     some, rows = _rows_of(bounded, R)
     if some:
         if not isinstance(greedy, Tensor):
             greedy = torch.full((R,), greedy, dtype=torch.bool, device=x.device)
-        parts.append(_bounded_part(rows, _take(x, rows), _take_params(rp, rows), _take(greedy, rows), logits,
-                                   min_candidates))
+        parts.append(_bounded_part(rows, _take(x, _within(among, rows)), _take_params(rp, rows), _take(greedy, rows),
+                                   logits, min_candidates))
     some, rows = _rows_of(nucleus, R)
     if some:
-        parts += _nucleus_parts(rows, _take(x, rows), _take_params(rp, rows), logits)
+        parts += _nucleus_parts(rows, _take(x, _within(among, rows)), _take_params(rp, rows), logits)
     return Processed(tuple(parts), R, V)
 
 
