@@ -123,6 +123,15 @@ class Processed:
                 parts.append(Part(None, None, self.parts[0].probs.new_zeros(0, self.vocab_size)))
         return Processed(tuple(parts), rows.numel(), self.vocab_size)
 
+    def candidates(self, width: int) -> tuple[Tensor, Tensor]:
+        """Rows whose every part holds candidates (``ids``), as ids int64 ``[R, width]`` in increasing order and
+        probabilities float32 ``[R, width]``, padded with id 0 at probability 0 (``width``: at least any part's)."""
+        if not self.num_rows:
+            return (torch.zeros(0, width, dtype=torch.int64, device=self.parts[0].probs.device),
+                    torch.zeros(0, width, device=self.parts[0].probs.device))
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        return self._per_row(lambda part: (pad(part.ids), pad(part.probs)))
+
     def dense(self) -> Tensor:
         """float32 ``[R, V]``."""
         return self._per_row(lambda part: part.dense(self.vocab_size))[0]

@@ -9,6 +9,7 @@ kernel: :mod:`specsampler.kernels.tree`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,21 +54,20 @@ class TargetRows:
     def __init__(self, probs: Tensor | None = None, logits: Tensor | None = None, rp: RowParams | None = None,
                  mask: Tensor | None = None):
         self.probs, self.logits, self.rp, self.mask = probs, logits, rp, mask
-        self.few = _few_candidates(rp, logits.shape[-1]) if logits is not None and rp is not None else 0
+
+    @functools.cached_property
+    def few(self) -> int:
+        """The most candidates a row is processed into, where every row keeps at most :data:`_FEW` (top-k or
+        greedy rows from logits, in a vocabulary at least 8 times wider); else 0."""
+        return _few_candidates(self.rp, self.logits.shape[-1]) if self.logits is not None and self.rp is not None else 0
 
     def held(self, b: Tensor, node: Tensor) -> tuple[Tensor | None, Tensor]:
         """The rows ``(b[i], node[i])`` as the rrs and traversal walks hold them: ``(None, probabilities float32
-        [m, V])``; or, where every row keeps a few candidates (:attr:`few`, their most: top-k or greedy rows of a
-        wide vocabulary), their ids int64 ``[m, few]`` in increasing order and probabilities float32 ``[m, few]``,
-        padded with id 0 at probability 0 (the other columns are 0: a walk's residuals stay among them)."""
+        [m, V])``; or, where every row keeps few candidates (:attr:`few`), their ids int64 ``[m, few]`` in
+        increasing order and probabilities float32 ``[m, few]``, padded with id 0 at probability 0 (the other
+        columns are 0: a walk's residuals stay among them)."""
         proc = self.at(b, node)
-        if not self.few:
-            return None, proc.dense()
-        if not b.numel():  # no rows: no parts of candidates
-            return torch.zeros(0, self.few, dtype=torch.int64, device=b.device), torch.zeros(0, self.few,
-                                                                                            device=b.device)
-        pad = lambda t: torch.nn.functional.pad(t, (0, self.few - t.shape[1]))  # noqa: E731
-        return proc._per_row(lambda part: (pad(part.ids), pad(part.probs)))
+        return proc.candidates(self.few) if self.few else (None, proc.dense())
 
     @staticmethod
     def _rows(t: Tensor, flat: Tensor) -> Tensor:
@@ -102,8 +102,7 @@ _FEW = 1024  # candidates a row may keep for the walks to hold it by its candida
 
 
 def _few_candidates(rp: RowParams, V: int) -> int:
-    """The most candidates a row is processed into where every row keeps at most :data:`_FEW` (top-k, greedy) in
-    a vocabulary at least 8 times wider; else 0."""
+    """:attr:`TargetRows.few` of rows ``rp`` over ``V`` tokens."""
     s = rp.shared if rp.shared is not None else rp
     keep = torch.where(torch.as_tensor(s.temperature) == 0, 1, torch.as_tensor(s.top_k))
     return int(keep.max()) if keep.numel() and bool(((keep > 0) & (keep <= min(_FEW, V // 8))).all()) else 0
