@@ -549,7 +549,7 @@ def test_radix_cut_splits_a_crowded_crossing_bin(case):
     assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()
 
 
-def test_radix_cut_of_rows_whose_crossing_bin_ties_counts_their_tokens():
+def test_radix_cut_of_rows_whose_crossing_bin_ties_keeps_the_smallest_prefix():
     # thousands of equal weights pending (a flat row, a flat tail below a few larger ones, weights below the
     # masses' unit): kept by count in position order; the target on, just past and just short of a multiple of
     # their mass; a row of unequal pending tokens beside them still split by its digits

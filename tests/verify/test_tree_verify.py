@@ -248,7 +248,8 @@ def test_walks_holding_top_k_rows_by_their_candidates_equal_the_dense_walks(meth
                 top_p=torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0, 1.0, 0.95, 1.0, 1.0]))
     seen = []
     held = walks.TargetRows.held
-    monkeypatch.setattr(walks.TargetRows, "held", lambda self, b, node: seen.append(self.few) or held(self, b, node))
+    monkeypatch.setattr(walks.TargetRows, "held", lambda self, b, node, width: seen.append(width)
+                        or held(self, b, node, width))
     seeds = [torch.arange(B) * 7 + s for s in range(8)]
 
     def verify(seed, b=slice(None)):  # every request, or request 5 alone (its rows then keep only its 40)

@@ -78,8 +78,7 @@ class ModelCache:
         self.calls += 1
         new = self._unseen.expand(B, n) if committed is None else self.visible(committed)
         self.bias = torch.cat([self.bias, new], 1)
-        logits = out.logits
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return out.logits.float()  # float32 logits returned as they are (no copy)
 
     def prefill(self, input_ids: Tensor, real: Tensor) -> Tensor:
         """Feed the prompts (left-padded; ``real`` bool ``[B, L]``); returns the last row's logits ``[B, V]``."""

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..params import RowParams
 from ..sampling.distributions import Part
-from ..sampling.masses import as_weight, divide_by, has_mass, row_mass
+from ..sampling.masses import as_weight, divide_by, has_mass, nonnegative_rows, row_mass
 from ..verify.chain import (
     ChainInputs,
     ChainResult,
@@ -416,10 +416,7 @@ def _bad(q: Tensor, live: Tensor) -> Task[bool]:
     """Whether any rank's draft rows ``q`` ``[..., size]`` where ``live`` (bool ``[...]``: the rows of drafts; padding
     is never read) hold a value below 0 or NaN (their ``max(a p - q, 0)`` has mass outside a row's entries:
     :func:`_entries` does not apply), in the round it rides in."""
-    # a row's minimum (NaN where it holds one) is one read without a temporary: several times cheaper than a
-    # comparison of every value; an empty shard holds none
-    fine = q.amin(-1) >= 0 if q.shape[-1] else torch.ones(q.shape[:-1], dtype=torch.bool, device=q.device)
-    got = yield [(~(fine | ~live).all()).to(dtype=torch.uint8)[None]]
+    got = yield [(~(nonnegative_rows(q) | ~live).all()).to(dtype=torch.uint8)[None]]
     return bool(got.parts[0].any())
 
 

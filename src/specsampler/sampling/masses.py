@@ -70,6 +70,15 @@ def row_mass(w: Tensor, keepdim: bool = False, unit: bool = False) -> Tensor:
     return z
 
 
+def nonnegative_rows(w: Tensor) -> Tensor:
+    """bool ``[...]``: whether each row of ``w`` ``[..., C]`` holds no value below 0 and no NaN (a row of no columns
+    holds none), from each row's minimum: one read without a temporary, several times cheaper than a comparison of
+    every value."""
+    if not w.shape[-1]:
+        return torch.ones(w.shape[:-1], dtype=torch.bool, device=w.device)
+    return w.amin(-1) >= 0  # NaN propagates to the minimum
+
+
 def has_mass(w: Tensor, keepdim: bool = False) -> Tensor:
     """bool ``[...]``: whether each row of ``w`` ``[..., C]`` has a mass above 0, without summing: a mass
     ``floor(w * 2**32)`` is at least 1 exactly where ``w >= 2**-32`` (NaN: not)."""

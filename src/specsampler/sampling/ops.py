@@ -29,7 +29,7 @@ from ..validation import (
 )
 from .filters import _FAR, _scale, _weights, sample_plain
 from .masses import as_weight, scaled_masses
-from .processing import Processed, in_vector_body, process, sample_by_inversion
+from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
 
 
 class SampleOutput(NamedTuple):
@@ -250,26 +250,27 @@ def sample_from_logits(
     # rows kept whole (no top-k, no top-p) pass over every value several times: in blocks, from the caches, and
     # where wide drawn without writing their distribution, in a batch of several kinds too (each row's numbers are
     # its own, so its kind's path gives them)
-    plain = _plain_rows(rp, V)
+    on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
+    plain = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, V, True)[3]  # a bool, or bool [R]
     every = plain if isinstance(plain, bool) else R > 0 and bool(plain.all())
     some = every or not isinstance(plain, bool) and bool(plain.any())
     step = max(1, _BLOCK_VALUES // max(V, 1)) if x.device.type == "cpu" else max(R, 1)
+    drawn = not num_logprobs and V >= _DRAWN_IN_BOUNDS  # plain rows drawn without writing their distribution
     top_ids = top_lp = None
-    if num_logprobs or V < _DRAWN_IN_BOUNDS or not some:
-        if every and step < R:
-            blocks = [_sample_rows(x[s:s + step], rp.take(torch.arange(s, min(R, s + step), device=x.device)),
-                                   u[s:s + step], num_logprobs) for s in range(0, R, step)]
-            tokens, logprobs, top_ids, top_lp = (torch.cat(parts) if parts[0] is not None else None
-                                                 for parts in zip(*blocks))
-        else:
-            tokens, logprobs, top_ids, top_lp = _sample_rows(x, rp, u, num_logprobs)
-    elif every:
+    if drawn and every:
         tokens, logprobs = sample_plain(x, rp, u, step)
-    else:
+    elif drawn and some:
         tokens, logprobs = torch.empty(R, dtype=torch.int64, device=x.device), x.new_empty(R)
         for rows, draw in ((plain.nonzero()[:, 0], lambda rows: sample_plain(x, rp.take(rows), u[rows], step, rows)),
                            ((~plain).nonzero()[:, 0], lambda rows: _sample_rows(x, rp.take(rows), u[rows], 0, rows))):
             tokens[rows], logprobs[rows] = draw(rows)[:2]  # each kind's rows read where they lie
+    elif every and step < R:
+        blocks = [_sample_rows(x[s:s + step], rp.take(torch.arange(s, min(R, s + step), device=x.device)),
+                               u[s:s + step], num_logprobs) for s in range(0, R, step)]
+        tokens, logprobs, top_ids, top_lp = (torch.cat(parts) if parts[0] is not None else None
+                                             for parts in zip(*blocks))
+    else:
+        tokens, logprobs, top_ids, top_lp = _sample_rows(x, rp, u, num_logprobs)
     if num_logprobs:
         top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
     return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), top_ids, top_lp)
@@ -277,15 +278,6 @@ def sample_from_logits(
 
 _BLOCK_VALUES = 1 << 20  # values per block of dense rows sampled at a time on CPU: 4 MB of float32, in cache
 _DRAWN_IN_BOUNDS = 1024  # dense rows this wide are drawn by sample_plain (shorter ones: a few ops of process)
-
-
-def _plain_rows(rp: RowParams, V: int) -> bool | Tensor:
-    """The rows with neither top-k nor top-p, sampled from logits at a temperature above 0: bool ``[R]``, or one
-    bool for every row where they share their parameters (no read of the tensors)."""
-    s = rp.shared
-    if s is not None:
-        return bool(s.temperature > 0 and not 0 < s.top_k < V and s.top_p >= 1)
-    return (rp.temperature > 0) & ((rp.top_k <= 0) | (rp.top_k >= V)) & (rp.top_p >= 1)
 
 
 def _sample_rows(x: Tensor, rp: RowParams, u: Tensor, num_logprobs: int,

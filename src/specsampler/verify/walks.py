@@ -19,7 +19,7 @@ from torch import Tensor
 from ..params import RowParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, planned
 from ..sampling.greedy import greedy_ids
-from ..sampling.masses import as_weight, divide_by, has_mass, sample_by_inversion
+from ..sampling.masses import as_weight, divide_by, has_mass, nonnegative_rows, sample_by_inversion
 from ..sampling.processing import SCRATCH, Processed, process
 from ..sampling.vocab import Vocab
 from .drafts import Drafts
@@ -61,13 +61,13 @@ class TargetRows:
         greedy rows from logits, in a vocabulary at least 8 times wider); else 0."""
         return _few_candidates(self.rp, self.logits.shape[-1]) if self.logits is not None and self.rp is not None else 0
 
-    def held(self, b: Tensor, node: Tensor) -> tuple[Tensor | None, Tensor]:
-        """The rows ``(b[i], node[i])`` as the rrs and traversal walks hold them: ``(None, probabilities float32
-        [m, V])``; or, where every row keeps few candidates (:attr:`few`), their ids int64 ``[m, few]`` in
-        increasing order and probabilities float32 ``[m, few]``, padded with id 0 at probability 0 (the other
+    def held(self, b: Tensor, node: Tensor, width: int) -> tuple[Tensor | None, Tensor]:
+        """The rows ``(b[i], node[i])`` as the rrs and traversal walks hold them (``width``: :func:`_held_width`):
+        ``(None, probabilities float32 [m, V])`` for a width of 0; else their candidates' ids int64 ``[m, width]``
+        in increasing order and probabilities float32 ``[m, width]``, padded with id 0 at probability 0 (the other
         columns are 0: a walk's residuals stay among them)."""
         proc = self.at(b, node)
-        return proc.candidates(self.few) if self.few else (None, proc.dense())
+        return proc.candidates(width) if width else (None, proc.dense())
 
     @staticmethod
     def _rows(t: Tensor, flat: Tensor) -> Tensor:
@@ -108,11 +108,13 @@ def _few_candidates(rp: RowParams, V: int) -> int:
     return int(keep.max()) if keep.numel() and bool(((keep > 0) & (keep <= min(_FEW, V // 8))).all()) else 0
 
 
-def _valid_q(c: TreeInputs) -> bool:
-    """Whether the draft rows the walks read (the children's) hold no value below 0 and no NaN: a residual
-    ``max(r - q, 0)`` is then 0 wherever ``r`` is."""
-    low = c.q.amin(-1)  # a minimum is one read; NaN propagates
-    return bool((torch.where(c.tree.depth > 0, low, 0.0) >= 0).all())
+def _held_width(c: TreeInputs, rows: TargetRows) -> int:
+    """How wide the rrs and traversal walks hold the target rows by their candidates: :attr:`TargetRows.few`
+    where the rows hold the whole vocabulary and the draft rows the walks read (the children's) hold no value
+    below 0 and no NaN (a residual ``max(r - q, 0)`` is then 0 wherever ``r`` is); 0 (whole rows) elsewhere."""
+    if not rows.few or c.columns is not None:
+        return 0
+    return rows.few if bool((nonnegative_rows(c.q) | (c.tree.depth <= 0)).all()) else 0
 
 
 def _value(r: Tensor, ids: Tensor | None, x: Tensor, vocab: Vocab) -> Tensor:
@@ -198,10 +200,10 @@ def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[
     u_accept = draw(STREAM_ACCEPT, c.N)
     u_draw = draw(STREAM_SAMPLE, c.N)
     path, n, y_out, walking = _walk_start(c)
-    few = getattr(rows, "few", 0) and c.columns is None and _valid_q(c)
+    width = _held_width(c, rows)
     for d in range(D + 1):
         v = path[walking, d]
-        ids, r = rows.held(walking, v) if few else (None, rows.at(walking, v).dense())  # owned: updated below
+        ids, r = rows.held(walking, v, width)  # owned: updated below
         kid = t.first_child[walking, v]
         q_shared = c.q[walking, kid.clamp(min=0)] if c.sampling == "without_replacement" else None
         chosen = torch.full_like(kid, -1)
@@ -253,8 +255,7 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
     u_draw = draw(STREAM_SAMPLE, N)
     stack = torch.full((B, D + 1), -1, dtype=torch.int64, device=dev)  # the current leftmost path
     top = torch.zeros(B, dtype=torch.int64, device=dev)  # its last slot
-    # the slots' rows held by their candidates where the target rows keep few
-    few = rows.few if getattr(rows, "few", 0) and c.columns is None and _valid_q(c) else 0
+    few = _held_width(c, rows)  # the slots' rows held by their candidates, where not 0
     mb = torch.zeros(B, D + 1, few or V, device=dev)
     ids = torch.zeros(B, D + 1, few, dtype=torch.int64, device=dev) if few else None
     ms = torch.zeros(B, D + 1, V, device=dev) if wo else None
@@ -264,11 +265,12 @@ def walk_traversal(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> 
 
     def hold(b: Tensor, j: Tensor, node: Tensor):
         """Slot j of requests b holds the target row at ``node``."""
-        held, mb[b, j] = rows.held(b, node) if few else (None, rows.at(b, node).dense())
+        cols, mb[b, j] = rows.held(b, node, few)
         if few:
-            ids[b, j] = held
+            ids[b, j] = cols
 
     def held(b: Tensor, j: Tensor) -> Tensor | None:
+        """The candidates' ids of slot j of requests b (None: whole rows)."""
         return None if ids is None else ids[b, j]
 
     hold(everyone, top, stack[:, 0])
