@@ -497,18 +497,30 @@ def test_radix_cut_orders_ties_inside_the_crossing_bin_by_position():
     assert kept.gt(0).nonzero()[:, 1].tolist() == [0, 2]
 
 
-def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor) -> None:
+def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor, kept_mass: torch.Tensor) -> None:
     """``kept`` keeps, unchanged, exactly the smallest prefix of each row's (weight desc, position asc) order
-    whose exact mass (Python integers of ``floor(w * 2**MASS_BITS)``) reaches ``target`` (all of it if none does)."""
+    whose exact mass (Python integers of ``floor(w * 2**MASS_BITS)``) reaches ``target`` (all of it if none does);
+    ``kept_mass`` is the exact mass of the kept tokens."""
     from specsampler.sampling.masses import MASS_BITS
 
     assert torch.equal(torch.where(kept > 0, w, 0.0), kept)
-    for row, t, k in zip(w.tolist(), target.tolist(), kept):
+    for row, t, k, km in zip(w.tolist(), target.tolist(), kept, kept_mass.tolist()):
         order = sorted(range(len(row)), key=lambda i: (-row[i], i))
         mass = [int(row[i] * 2**MASS_BITS) for i in order]
         before = [sum(mass[:j]) for j in range(len(mass))]
         expected = [bool(row[i] > 0) and before[j] < t for j, i in enumerate(order)]
         assert [bool(k[i] > 0) for i in order] == expected
+        assert km == sum(m for m, e in zip(mass, expected) if e)
+
+
+def _cut(w: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The radix cut and its kept mass; the public :func:`cut_to_mass` gives the same cut."""
+    from specsampler.sampling.nucleus import _cut
+    from specsampler.sampling.processing import cut_to_mass
+
+    kept, mass = _cut(w, target)
+    assert torch.equal(cut_to_mass(w, target), kept)
+    return kept, mass
 
 
 @settings(max_examples=120, deadline=None)
@@ -520,21 +532,17 @@ def _assert_cut(w: torch.Tensor, target: torch.Tensor, kept: torch.Tensor) -> No
     fractions=st.lists(st.floats(0.01, 1.2), min_size=4, max_size=4),
 )
 def test_radix_cut_keeps_the_smallest_prefix_reaching_the_target(rows, fractions):
-    from specsampler.sampling.processing import cut_to_mass
-
     C = max(len(r) for r in rows)
     w = torch.tensor([r + [0.0] * (C - len(r)) for r in rows], dtype=torch.float32)
     total = (w.double() * 2**32).floor().sum(-1)
     target = (total * torch.tensor(fractions[: len(rows)], dtype=torch.float64)).floor()
-    _assert_cut(w, target, cut_to_mass(w, target))
+    _assert_cut(w, target, *_cut(w, target))
 
 
 @pytest.mark.parametrize("case", ["one bin", "far below the largest"])
 def test_radix_cut_splits_a_crowded_crossing_bin(case):
     # thousands of tokens pending after the first digit: split by the later digits, also far below
     # the largest weight
-    from specsampler.sampling.processing import cut_to_mass
-
     g = torch.Generator().manual_seed(0)
     if case == "one bin":  # 5000 weights in [0.99, 1): one bin of the first digit
         w = 0.99 + torch.rand(3, 5000, generator=g) / 100
@@ -544,8 +552,8 @@ def test_radix_cut_splits_a_crowded_crossing_bin(case):
         w = torch.exp2(-20 - 2 * torch.rand(3, 5000, generator=g))
         w[:, 17] = 1.0
         target = torch.full((3,), 2.0**32 + 2**14, dtype=torch.float64)
-    kept = cut_to_mass(w, target)
-    _assert_cut(w, target, kept)
+    kept, mass = _cut(w, target)
+    _assert_cut(w, target, kept, mass)
     assert (kept > 0).sum() > 3 and ((kept > 0).sum(-1) < 5000).all()
 
 
@@ -553,8 +561,6 @@ def test_radix_cut_of_rows_whose_crossing_bin_ties_keeps_the_smallest_prefix():
     # thousands of equal weights pending (a flat row, a flat tail below a few larger ones, weights below the
     # masses' unit): kept by count in position order; the target on, just past and just short of a multiple of
     # their mass; a row of unequal pending tokens beside them still split by its digits
-    from specsampler.sampling.processing import cut_to_mass
-
     g = torch.Generator().manual_seed(1)
     w = torch.full((6, 3000), 0.3)
     w[1, [5, 2000]] = 0.9  # two heavier tokens, then the flat rest
@@ -564,8 +570,8 @@ def test_radix_cut_of_rows_whose_crossing_bin_ties_keeps_the_smallest_prefix():
     target = torch.tensor([1000 * m, 2 * int(0.9 * 2**32) + 17 * m + 1, 5.0, 0.0, 999 * m - 1, 4000 * m],
                           dtype=torch.float64)
     target[3] = ((w[3].double() * 2**32).floor().sum() * 0.6).floor()
-    kept = cut_to_mass(w, target)
-    _assert_cut(w, target, kept)
+    kept, mass = _cut(w, target)
+    _assert_cut(w, target, kept, mass)
     assert (kept > 0).sum(-1).tolist()[:1] + (kept > 0).sum(-1).tolist()[4:] == [1000, 999, 3000]
 
 
@@ -728,8 +734,8 @@ def test_large_nuclei_are_cut_among_few_candidates(monkeypatch, V, scale):
     import specsampler.sampling.nucleus as search
 
     monkeypatch.setattr(search, "_COUNT_WHOLE", 0)
-    widths, real_cut = [], search.cut_to_mass
-    monkeypatch.setattr(search, "cut_to_mass",
+    widths, real_cut = [], search._cut
+    monkeypatch.setattr(search, "_cut",
                         lambda w, t, out=None, m=None: widths.append(w.shape[1]) or real_cut(w, t, out, m))
     logits = torch.randn(16, V, generator=torch.Generator().manual_seed(V)) * scale
     probs = ss.logits_to_probs(logits, SP(temperature=0.8, top_p=0.9))

@@ -178,12 +178,15 @@ def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor, mass: T
     return Part(rows, ids, divide_by_(weights, mass).gather(1, perm))
 
 
-def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None) -> Tensor:
+def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | None,
+                      mass: Tensor | None = None) -> Tensor:
     """min-p (threshold ``min_p * w_max``, with ``w_max`` ``[r, 1]`` taken at ``rows``) and
-    renormalisation, in place."""
+    renormalisation, in place. ``mass``: float64 ``[r]``, the rows' masses when the caller has them (a top-p
+    cut's kept mass; summed again where min-p drops tokens)."""
     if not rp.all_equal("min_p", 0):
         w.mul_(w >= rp.min_p[:, None] * _take(w_max, rows))
-    return _normalise_(w)
+        mass = None
+    return _normalise_(w) if mass is None else divide_by_(w, mass[:, None])
 
 
 def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:

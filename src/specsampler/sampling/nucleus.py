@@ -159,13 +159,6 @@ class _Target:
         """The target of rows ``sub`` (None: all), whose weights are now ``w``."""
         return _Target(w, _take(self.top_p, sub), _take(self.lo, sub), _take(self.hi, sub))
 
-    def exact(self, sub: Tensor | None = None) -> Tensor:
-        """float64 ``[n]``: the exact target of rows ``sub`` (None: all), each row's mass summed where not known."""
-        open_rows = _take(self.lo, sub) != _take(self.hi, sub)
-        if bool(open_rows.any()):
-            self._make_exact(open_rows, sub)
-        return top_p_target(_take(self.top_p, sub), _take(self.lo, sub))
-
     def _make_exact(self, open_rows: Tensor, sub: Tensor | None) -> None:
         """Give the rows ``sub[open_rows]`` (``sub``: indices into the ``r`` rows, None for all) their exact mass."""
         at = _within(sub, open_rows.nonzero()[:, 0])
@@ -176,21 +169,22 @@ class _Target:
         """bool ``[n]``: whether ``mass`` float64 ``[n]`` reaches the target of rows ``sub`` (None: all)."""
         return self.decide(lambda z: mass >= top_p_target(_take(self.top_p, sub), z), sub)
 
-    def cut(self, w: Tensor, m: Tensor, sub: Tensor | None = None) -> Tensor:
+    def cut(self, w: Tensor, m: Tensor, sub: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """:func:`cut_to_mass` of rows ``w`` float32 ``[n, C]`` (those of ``sub``, None: all; ``m``: their masses,
-        float64) to their target: cut once, to the upper end's; the kept set is the same for every target above
-        the mass before its last token (the lightest kept, whose mass every token of that weight has), so a row
-        whose lower end's target is not above it is settled and cut again."""
+        float64) to their target, and the kept tokens' mass float64 ``[n]``: cut once, to the upper end's; the
+        kept set is the same for every target above the mass before its last token (the lightest kept, whose mass
+        every token of that weight has), so a row whose lower end's target is not above it is settled and cut
+        again."""
         top_p = _take(self.top_p, sub)
         low, high = top_p_target(top_p, _take(self.lo, sub)), top_p_target(top_p, _take(self.hi, sub))
-        kept = cut_to_mass(w, high, m=m)
-        before_last = torch.where(kept > 0, m, 0.0).sum(-1) - masses(torch.where(kept > 0, kept, float("inf")).amin(-1))
+        kept, mass = _cut(w, high, m=m)
+        before_last = mass - masses(torch.where(kept > 0, kept, float("inf")).amin(-1))
         open_rows = (low < high) & (before_last >= low)
         if bool(open_rows.any()):
             self._make_exact(open_rows, sub)
             at = open_rows.nonzero()[:, 0]
-            kept[at] = cut_to_mass(w[at], top_p_target(top_p[at], _take(self.lo, sub)[at]), m=m[at])
-        return kept
+            kept[at], mass[at] = _cut(w[at], top_p_target(top_p[at], _take(self.lo, sub)[at]), m=m[at])
+        return kept, mass
 
     def decide(self, fn, sub: Tensor | None = None) -> Tensor:
         """``fn(z)`` for the exact masses ``z`` float64 ``[n]`` of rows ``sub`` (None: all): a tensor ``[n, ...]``
@@ -355,14 +349,16 @@ def _counted_nuclei(rows, w: Tensor, rp: RowParams, w_max: Tensor) -> list[Part]
         at, ids, cand = _by_row(local, r if sub is None else sub.numel(), col, w.view(-1).index_select(0, flat))
         pending = digit.view(-1).index_select(0, flat) == crossing[:, 0].index_select(0, b)
         pb = local[pending]
-        _settle(cand, pb, at[pending] - pb * cand.shape[1], *(_take(t, sub) for t in (crossing, above, target)))
-        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
+        kept = _take(above, sub)  # the mass above the crossing bin, then (settled) the kept tokens'
+        _settle(cand, pb, at[pending] - pb * cand.shape[1], _take(crossing, sub), kept, _take(target, sub))
+        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub, kept)))
     if not bool(few.all()):
         sub = _rows_where(~few)
         rows_w = _take(w, sub)  # the scratch weights are only read; a selection is a copy
-        kept = _cut_from(rows_w, _take(digit, sub), _take(crossing, sub), _take(above, sub), _take(target, sub),
+        mass = _take(above, sub)  # becomes the kept tokens' mass
+        kept = _cut_from(rows_w, _take(digit, sub), _take(crossing, sub), mass, _take(target, sub),
                          out=None if sub is None else rows_w)
-        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(kept, _take_params(rp, sub), w_max, sub)))
+        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(kept, _take_params(rp, sub), w_max, sub, mass)))
     return parts
 
 
@@ -387,13 +383,14 @@ def _large_nuclei(rows, w: Tensor, lb: Tensor, likely: Tensor, target: _Target, 
     dense = (lb != float("inf")) & ~compact
     if bool(compact.any()):
         sub = _rows_where(compact)
-        ids, cand = _take(ids, sub), target.cut(_take(cand, sub), _take(m, sub), sub)
-        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub)))
+        (cand, mass), ids = target.cut(_take(cand, sub), _take(m, sub), sub), _take(ids, sub)
+        parts.append(Part(_within(rows, sub), ids, _min_p_normalise_(cand, _take_params(rp, sub), w_max, sub, mass)))
     if bool(dense.any()):
         sub = _rows_where(dense)
         rows_w = w if sub is None else w[sub]  # the scratch weights are only read; a selection is a copy
-        rows_w = cut_to_mass(rows_w, target.exact(sub), out=None if sub is None else rows_w)
-        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub)))
+        top_p = _take(target.top_p, sub)  # the exact target from the cut's own sum of the rows' masses
+        rows_w, mass = _cut(rows_w, lambda z: top_p_target(top_p, z), out=None if sub is None else rows_w)
+        parts.append(Part(_within(rows, sub), None, _min_p_normalise_(rows_w, _take_params(rp, sub), w_max, sub, mass)))
     return parts
 
 
@@ -428,9 +425,18 @@ def cut_to_mass(w: Tensor, target: Tensor, out: Tensor | None = None, m: Tensor 
     the result (``w`` itself: in place); default a new tensor, ``w`` then only read. m: the masses of ``w``
     (:func:`~.masses.masses`) when the caller has them.
     """
+    return _cut(w, target, out, m)[0]
+
+
+def _cut(w: Tensor, target, out: Tensor | None = None, m: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`cut_to_mass`, and the kept tokens' mass float64 ``[r]``. ``target``: float64 ``[r]``, or a function
+    of the rows' exact masses float64 ``[r]`` giving it (the first digit's histogram sums them: no pass of its
+    own)."""
     digit, hist, _ = _first_digit(w, m)
+    if callable(target):
+        target = target(hist.sum(-1))
     crossing, above = _first_crossing(hist, target)
-    return _cut_from(w, digit, crossing, above, target, out)
+    return _cut_from(w, digit, crossing, above, target, out), above
 
 
 def _first_digit(w: Tensor, m: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -450,7 +456,8 @@ def _first_digit(w: Tensor, m: Tensor | None = None) -> tuple[Tensor, Tensor, Te
 
 def _cut_from(w: Tensor, digit: Tensor, crossing: Tensor, above: Tensor, target: Tensor,
               out: Tensor | None) -> Tensor:
-    """:func:`cut_to_mass` after its first digit (:func:`_first_digit` of ``w``)."""
+    """:func:`cut_to_mass` after its first digit (:func:`_first_digit` of ``w``); ``above`` (the mass of the bins
+    above the crossing one) becomes the kept tokens' mass."""
     # drop the bins below (comparisons into float / int32 scratch: no masked_fill_, no bool
     # temporaries, which are slower); from here on w is the result
     keep = SCRATCH.get("keep", digit.shape, torch.float32, w.device)
@@ -464,7 +471,8 @@ def _settle_equal(w: Tensor, b: Tensor, col: Tensor, above: Tensor, target: Tens
     """:func:`_settle` of the rows whose pending tokens ``w[b, col]`` all weigh the same: in position order (their
     order), each adds the same mass m, so a row keeps the first ``k`` of them, the fewest with ``above + k m``
     reaching ``target`` (none once ``above`` does; all where m is 0 and it does not), and zeroes the rest in place;
-    no ordering, whatever their number (every token of a flat row ties). Returns the other rows' pending tokens."""
+    no ordering, whatever their number (every token of a flat row ties); adds the kept ones' mass to ``above``.
+    Returns the other rows' pending tokens."""
     r = w.shape[0]
     v = w[b, col]
     low = torch.full((r,), torch.inf, device=w.device).scatter_reduce_(0, b, v, "amin")
@@ -481,6 +489,7 @@ def _settle_equal(w: Tensor, b: Tensor, col: Tensor, above: Tensor, target: Tens
     rank = torch.arange(b.numel(), device=w.device) - (counts.cumsum(0) - counts).index_select(0, b)
     drop = equal & (rank >= k.index_select(0, b))
     w[b[drop], col[drop]] = 0.0
+    above += torch.where(low == high, torch.minimum(k, counts.double()) * m, 0.0)
     return b[~equal], col[~equal]
 
 
@@ -490,7 +499,8 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
     share), and the few left are ordered by a sort.
 
     w: float32 ``[r, C]``; b, col: int64 ``[n]``, row-major; crossing: int32 ``[r, 1]``;
-    above: float64 ``[r]``, the mass of the tokens above the bin (updated); target: float64 ``[r]``.
+    above: float64 ``[r]``, the mass of the tokens above the bin, in place becomes the kept tokens'; target: float64
+    ``[r]``.
     """
     r = w.shape[0]
     if b.numel() > r * _RADIX_SORT:  # rows whose pending tokens all weigh the same (a flat row) are cut by count
@@ -514,7 +524,9 @@ def _settle(w: Tensor, b: Tensor, col: Tensor, crossing: Tensor, above: Tensor, 
     b, col = b[order], col[order]
     b, order = b.sort(stable=True)
     col, v = col[order], v[order]
-    at, grid = _by_row(b, r, masses(v))
+    m = masses(v)
+    at, grid = _by_row(b, r, m)
     before = torch.nn.functional.pad(grid.cumsum(-1)[:, :-1], (1, 0)).view(-1)[at]
     drop = above[b] + before >= target[b]
     w[b[drop], col[drop]] = 0.0
+    above.index_add_(0, b[~drop], m[~drop])
