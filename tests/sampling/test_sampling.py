@@ -86,6 +86,51 @@ def test_greedy_rows_are_one_hot_at_the_lowest_argmax():
     assert res.tokens.tolist() == [1, 0] and res.logprobs.tolist() == [0.0, 0.0]
 
 
+_GREEDY_EDGES = [[1.0, 3.0, 3.0, 2.0], [-math.inf] * 4, [math.nan] * 4, [math.nan, 1.0, 5.0, math.nan],
+                 [math.inf, 1.0, math.inf, 2.0], [-math.inf, 2.0, math.nan, math.inf],
+                 [math.nan, -math.inf, -math.inf, 0.0], [-0.0, 0.0, -1.0, -0.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_greedy_ids_on_cpu_follow_the_argmax_with_nan_never_chosen(dtype):
+    # the CPU's argmax (through NumPy) against ATen's, NaN read as -inf: ties, infinities, signed zeros, strided rows
+    from specsampler.sampling.greedy import greedy_ids, nan_as_minus_inf
+
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor(_GREEDY_EDGES)
+    wide = torch.randn(3, 5, 4099, generator=g).round()  # many ties
+    wide[1, 2, 7] = math.nan
+    for x in (edges, edges.t().contiguous().t(), wide, wide[:, ::2, 1:], wide[0, 0], torch.zeros(0, 5)):
+        x = x.to(dtype)
+        got = greedy_ids(x)
+        assert got.dtype == torch.int64 and torch.equal(got, nan_as_minus_inf(x).argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rng_kind", ["philox", "generator"])
+def test_greedy_sampling_gives_the_processed_rows_tokens_and_log_probabilities(dtype, rng_kind):
+    # a batch of greedy rows takes the argmax without processing its rows; the same tokens and log-probabilities
+    # (0, or -inf where the largest value is not finite) as the rows' processing and draw, masks applied; a
+    # generator is left where the draws would have left it
+    from specsampler.sampling.ops import _sample_rows
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.cat([torch.tensor(_GREEDY_EDGES).repeat(1, 600), torch.randn(4, 2400, generator=g).round()])
+    mask = torch.rand(logits.shape, generator=g) > 0.3
+    for vocab_mask in (None, mask):
+        x = logits.to(dtype)
+        rows = x.float() if vocab_mask is None else x.float().masked_fill(~vocab_mask, -math.inf)
+        rp = SP(temperature=0.0).rows("test", len(x), 1, x.device, False)
+        want = _sample_rows(rows, rp, torch.rand(len(x), generator=g), 0)
+        rng = ss.Philox(torch.arange(len(x))) if rng_kind == "philox" else torch.Generator().manual_seed(7)
+        got = ss.sample_from_logits(x, SP(temperature=0.0), rng, vocab_mask)
+        assert torch.equal(got.tokens, want[0]) and torch.equal(got.logprobs, want[1])
+        if rng_kind == "generator":
+            after = torch.Generator().manual_seed(7)
+            torch.rand((len(x), 1), generator=after)
+            assert torch.equal(torch.rand(3, generator=rng), torch.rand(3, generator=after))
+
+
 def test_vocab_mask_applies_before_everything_else():
     logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0]])
     mask = torch.tensor([[False, True, True, True, False]])

@@ -28,6 +28,7 @@ from ..validation import (
     shape_str,
 )
 from .filters import _FAR, _scale, _weights, sample_plain
+from .greedy import greedy_ids
 from .masses import as_weight, scaled_masses
 from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
 
@@ -245,13 +246,15 @@ def sample_from_logits(
                                                   rp.min_p, mask, seed, offset, index, u)
         return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
     x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
-    u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
     R, V = x.shape
+    on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
+    greedy, _, _, plain = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, V, True)  # bools, or bool [R]
+    if not num_logprobs and (greedy if isinstance(greedy, bool) else bool(greedy.all())):
+        return _greedy_output(x, rng, op, B, M, lead)
+    u = uniform(rng, op, B, M, STREAM_SAMPLE, logits.device).reshape(-1)
     # rows kept whole (no top-k, no top-p) pass over every value several times: in blocks, from the caches, and
     # where wide drawn without writing their distribution, in a batch of several kinds too (each row's numbers are
     # its own, so its kind's path gives them)
-    on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
-    plain = _kinds(on_host.temperature, on_host.top_k, on_host.top_p, V, True)[3]  # a bool, or bool [R]
     every = plain if isinstance(plain, bool) else R > 0 and bool(plain.all())
     some = every or not isinstance(plain, bool) and bool(plain.any())
     step = max(1, _BLOCK_VALUES // max(V, 1)) if x.device.type == "cpu" else max(R, 1)
@@ -274,6 +277,22 @@ def sample_from_logits(
     if num_logprobs:
         top_ids, top_lp = top_ids.reshape(*lead, num_logprobs), top_lp.reshape(*lead, num_logprobs)
     return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), top_ids, top_lp)
+
+
+def _greedy_output(x: Tensor, rng, op: str, B: int, M: int, lead: torch.Size) -> SampleOutput:
+    """:func:`sample_from_logits` of greedy rows ``x`` float32 ``[R, V]``: the argmax (NaN never chosen), of
+    log-probability 0, or -inf where the row's largest value is not finite (a one-hot of no mass), as the
+    processed rows give them, in a pass instead of their processing and draw. A generator (or the global
+    one) still gives the uniforms those draws would take, so that its later numbers do not change; a Philox's
+    keys are still checked."""
+    if isinstance(rng, Philox):
+        rng.keys(op, B, x.device)
+    else:
+        uniform(rng, op, B, M, STREAM_SAMPLE, x.device)
+    tokens = greedy_ids(x)
+    top = x.gather(1, tokens[:, None])[:, 0]
+    logprobs = torch.where(torch.isfinite(top), 0.0, float("-inf")).to(x.dtype)
+    return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
 
 
 _BLOCK_VALUES = 1 << 20  # values per block of dense rows sampled at a time on CPU: 4 MB of float32, in cache
