@@ -150,8 +150,30 @@ def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Te
     Returns:
         float32 ``[B, n]`` (on the CPU computed with numpy, elsewhere with torch ops: the same numbers).
     """
-    impl = _uniform_numpy if index.device.type == "cpu" else _uniform_torch
-    return impl(seed, offset, index, stream)
+    if index.device.type != "cpu":
+        return _uniform_torch(seed, offset, index, stream)
+    return (_uniform_python if index.numel() <= _FEW_UNIFORMS else _uniform_numpy)(seed, offset, index, stream)
+
+
+_FEW_UNIFORMS = 16  # uniforms this few are computed in Python integers: numpy's 40-odd operations cost more
+
+
+def _uniform_python(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Tensor) -> Tensor:
+    """:func:`_uniform_numpy` in Python integers, for a few uniforms (a request's draws in the generation loop):
+    the same words (products of 32-bit words are exact; ``& _MASK32`` of a negative int64 is its two's
+    complement's low word, as numpy's uint64 view gives), at some 10 us a uniform against numpy's per-call
+    cost of a few hundred."""
+    streams = [stream] * index.shape[-1] if isinstance(stream, int) else stream.tolist()
+    out = []
+    for s, o, row in zip(seed.tolist(), offset.tolist(), index.tolist()):
+        keys = [((s + r * _KEY_A) & _MASK32, ((s >> 32) + r * _KEY_B) & _MASK32) for r in range(10)]
+        for i, c1 in zip(row, streams):
+            c0, c2, c3 = i & _MASK32, o & _MASK32, (o >> 32) & _MASK32
+            for k0, k1 in keys:
+                p0, p1 = _ROUND_A * c0, _ROUND_B * c2
+                c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32
+            out.append((c0 >> 8) * 2.0**-24)
+    return torch.tensor(out, dtype=torch.float32).view(index.shape)
 
 
 def _uniform_numpy(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:

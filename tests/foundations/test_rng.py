@@ -10,6 +10,7 @@ from specsampler.rng import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     _uniform_numpy,
+    _uniform_python,
     _uniform_torch,
     philox4x32,
     philox4x32_numpy,
@@ -46,6 +47,23 @@ def test_the_numpy_and_torch_paths_draw_the_same_uniforms():
     index = torch.randint(0, 2**20, (50, 7), generator=g)
     for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
         assert torch.equal(_uniform_numpy(seed, offset, index, stream), _uniform_torch(seed, offset, index, stream))
+
+
+def test_a_few_uniforms_in_python_integers_are_the_tensor_paths_numbers():
+    # the CPU's path for a few uniforms (a request's draws in the generation loop): negative seeds, offsets past
+    # 32 bits, a stream per column
+    g = torch.Generator().manual_seed(1)
+    seed = torch.cat([torch.randint(-(2**62), 2**62, (4,), generator=g), torch.tensor([-1, 0, 2**63 - 1])])
+    offset = torch.cat([torch.randint(0, 2**40, (5,), generator=g), torch.tensor([2**63 - 1, 0])])
+    index = torch.randint(0, 2**31, (7, 3), generator=g)
+    for stream in (STREAM_SAMPLE, STREAM_ACCEPT, torch.tensor([0, 1, 1])):
+        want = _uniform_torch(seed, offset, index, stream)
+        assert torch.equal(_uniform_python(seed, offset, index, stream), want)
+        assert torch.equal(_uniform_numpy(seed, offset, index, stream), want)
+    few = philox_uniform(seed[:2], offset[:2], index[:2], STREAM_SAMPLE)  # 6 uniforms: the Python path
+    assert few.dtype == torch.float32 and few.shape == (2, 3)
+    assert torch.equal(few, _uniform_torch(seed[:2], offset[:2], index[:2], STREAM_SAMPLE))
+    assert _uniform_python(seed[:0], offset[:0], index[:0], STREAM_SAMPLE).shape == (0, 3)
 
 
 def test_planned_streams_are_the_uniforms_each_call_would_draw():
