@@ -131,6 +131,24 @@ def test_greedy_sampling_gives_the_processed_rows_tokens_and_log_probabilities(d
             assert torch.equal(torch.rand(3, generator=rng), torch.rand(3, generator=after))
 
 
+def test_probability_rows_are_scaled_to_their_largest_as_ldexp_scales_them():
+    # the weights of probability rows: each row times the power of two that brings its largest into [0.5, 1), by a
+    # multiply where that power is a normal float32, else by ldexp (subnormal maxima); values above 1, results
+    # that round into the subnormals, rows of zeros
+    from specsampler.sampling.filters import _scale_to_unit_
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(8, 300, generator=g) * 10.0 ** torch.randint(-40, 6, (8, 1), generator=g).float()
+    w[0, :3] = torch.tensor([3.0, 1e-44, 1e-38])
+    w[1] = 0.0
+    w[2, :3], w[2, 3:] = torch.tensor([1e-40, 0.0, 2e-40]), 0.0
+    for rows in (w, w[:2], w[2:3]):
+        want = torch.ldexp(rows, -torch.frexp(rows.amax(-1, keepdim=True)).exponent)
+        assert torch.equal(_scale_to_unit_(rows.clone()), want)
+        if rows.shape[0] == 2:
+            assert ((want[0] > 0) & (want[0] < torch.finfo(torch.float32).tiny)).any()  # rounded into the subnormals
+
+
 def test_vocab_mask_applies_before_everything_else():
     logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0]])
     mask = torch.tensor([[False, True, True, True, False]])

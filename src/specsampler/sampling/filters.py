@@ -73,7 +73,7 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     if not logits:
         w = _in_buffer(vals, out)[0]
         w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
-        return torch.ldexp(w, -torch.frexp(w.amax(-1, keepdim=True)).exponent, out=w) if w.numel() else w
+        return _scale_to_unit_(w) if w.numel() else w
     c = _scale(temperature)
     tc = top * c
     w = _exp2_weights(vals, float(c[0]) if shared and c.numel() else c, tc, out)
@@ -87,6 +87,17 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     if bool(far.any()):
         w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
     return w.masked_fill_(~finite, 0.0)
+
+
+def _scale_to_unit_(w: Tensor) -> Tensor:
+    """Rows of ``w`` float32 ``[r, C]`` (finite, non-negative) times the power of two that brings each row's largest
+    into [0.5, 1), in place: ``ldexp(w, e)``. Where every ``2**e`` is a normal float32 (each row's largest normal,
+    the usual case) a multiply by it, which rounds the exact product once as ``ldexp`` does, at a fiftieth of
+    ATen's ``ldexp`` on CPU."""
+    e = -torch.frexp(w.amax(-1, keepdim=True)).exponent
+    if bool((e.abs() <= 126).all()):
+        return w.mul_(((e + 127) << 23).view(torch.float32))
+    return torch.ldexp(w, e, out=w)
 
 
 def _scale(temperature: Tensor) -> Tensor:
