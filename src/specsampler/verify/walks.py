@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..params import RowParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, planned
+from ..sampling.filters import masked_logits
 from ..sampling.greedy import greedy_ids
 from ..sampling.masses import as_weight, divide_by, has_mass, nonnegative_rows, sample_by_inversion
 from ..sampling.processing import SCRATCH, Processed, process
@@ -80,7 +81,7 @@ class TargetRows:
         V = self.logits.shape[-1]
         out = SCRATCH.get("visited logits", (flat.numel(), V), self.logits.dtype, self.logits.device)
         x = torch.index_select(self.logits.flatten(0, -2), 0, flat, out=out).float()
-        return x if self.mask is None else x.masked_fill(~self.mask[b, node], float("-inf"))
+        return x if self.mask is None else masked_logits(x, self.mask[b, node])
 
     def _flat(self, b: Tensor, node: Tensor) -> Tensor:
         """Row indices ``b * N + node`` into the rows ``[B * N, V]``."""

@@ -23,6 +23,7 @@ from specsampler import (
     verify_chain,
 )
 from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniform
+from specsampler.sampling.filters import masked_logits
 from specsampler.validation import ValidationError, check_tensor, fail, values_checkable
 
 __all__ = [
@@ -467,7 +468,7 @@ def top_k_mask_logits(logits: Tensor, top_k: Tensor | int) -> Tensor:
     rows = _rows("flashinfer.top_k_mask_logits", "logits", logits)
     params = SamplingParams(temperature=_ORDER_TEMPERATURE, top_k=_top_k(top_k, rows))
     keep = logits_to_probs(logits, params) > 0
-    return logits.masked_fill(~keep, float("-inf"))
+    return masked_logits(logits, keep)
 
 
 def chain_speculative_sampling(
