@@ -11,7 +11,11 @@ the inputs in the same run; :func:`specsampler.cli.bench.measure`), against base
 - chain ``token`` verification from logits under a 50-token mask, against masked softmax, a sort-based top-p and
   the materialising verifier;
 - ``rrs`` and ``traversal`` trees (8 requests of 16 nodes) whose target rows keep top-k 50 + top-p 0.9, against
-  the same walks over whole rows ("whole rows": how they ran before their rows were held by their candidates).
+  the same walks over whole rows ("whole rows": how they ran before their rows were held by their candidates);
+- top-p over nuclei of tens of thousands of tokens (rows ``N(0, 2^2)``, top-p 0.95), against the sort-based sampler;
+- greedy sampling of one request and greedy chain verification, against ``argmax`` and a textbook greedy verify;
+- FlashInfer's ``top_p_sampling_from_probs`` (``specsampler.compat.flashinfer``), against the sort-based sampler on
+  the same probabilities.
 
 Prints a table; ``--out`` writes the JSON records (device, shapes, median time, GB/s, floor ratio, baselines).
 """
@@ -135,6 +139,44 @@ def top_k_tree_cases(g: torch.Generator) -> list[Case]:
     return cases
 
 
+def wide_nucleus_case(g: torch.Generator, gd: torch.Generator) -> Case:
+    logits = torch.randn(32, V, generator=g) * 2  # the 0.95 nucleus holds some 46,000 tokens
+    params, rng = SP(1.0, top_p=0.95), ss.Philox(torch.arange(32))
+    return Case("sample_from_logits", {"B": 32, "V": V, "top_p": 0.95, "nucleus": "tens of thousands"}, [logits],
+                lambda: ss.sample_from_logits(logits, params, rng),
+                {"sort_based": lambda: sort_sampler(logits, 1.0, 0, 0.95, gd)})
+
+
+def greedy_cases(g: torch.Generator) -> list[Case]:
+    one = torch.randn(1, V, generator=g)
+    B, K = 32, 4
+    logits = torch.randn(B, K + 1, V, generator=g)
+    drafts = logits[:, :K].argmax(-1)
+    drafts[::3, 2] = 0  # some chains stop early
+
+    def textbook():
+        target = logits.argmax(-1)
+        n = (drafts == target[:, :K]).long().cumprod(-1).sum(-1)
+        return n, target.gather(1, n[:, None])
+
+    return [Case("sample_from_logits", {"B": 1, "V": V, "temperature": 0}, [one],
+                 lambda: ss.sample_from_logits(one, SP(0.0), ss.Philox(0)), {"argmax": lambda: one.argmax(-1)}),
+            Case("verify_chain_from_logits", {"B": B, "K": K, "V": V, "method": "greedy"}, [logits],
+                 lambda: ss.verify_chain_from_logits(logits, drafts, SP(0.0), method="greedy"),
+                 {"textbook": textbook})]
+
+
+def flashinfer_case(g: torch.Generator, gd: torch.Generator) -> Case:
+    from specsampler.compat import flashinfer
+
+    logits = torch.randn(32, V, generator=g) * 3
+    probs = torch.softmax(logits / 0.8, -1)
+    gen = torch.Generator().manual_seed(2)
+    return Case("flashinfer.top_p_sampling_from_probs", {"B": 32, "V": V, "top_p": 0.9}, [probs],
+                lambda: flashinfer.sampling.top_p_sampling_from_probs(probs, 0.9, generator=gen),
+                {"sort_based": lambda: sort_sampler(probs.log(), 1.0, 0, 0.9, gd)})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -144,15 +186,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g, gd = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
     dev = torch.device("cpu")
-    head = f"{'op':<26}{'shape':<58}{'median ms':>10}{'GB/s':>7}{'floor x':>9}  baselines (speedup)"
+    head = f"{'op':<38}{'shape':<58}{'median ms':>10}{'GB/s':>7}{'floor x':>9}  baselines (speedup)"
     print(device_name(dev) + "\n" + head + "\n" + "-" * (len(head) + 12))
     records = []
-    for case in [mixed_case(g), masked_case(g, gd), flat_case(gd), masked_chain_case(g, gd), *top_k_tree_cases(g)]:
+    cases = [mixed_case(g), masked_case(g, gd), flat_case(gd), masked_chain_case(g, gd), *top_k_tree_cases(g),
+             wide_nucleus_case(g, gd), *greedy_cases(g), flashinfer_case(g, gd)]
+    for case in cases:
         rec = measure(case, dev, args.reps, warmup=1)
         records.append(rec)
         shape = " ".join(f"{k}={v}" for k, v in rec["shape"].items())
         base = ", ".join(f"{k} {v}x" for k, v in rec["baselines"].items())
-        print(f"{rec['op']:<26}{shape:<58}{rec['median_us'] / 1e3:>10.2f}{rec['gbps']:>7.1f}"
+        print(f"{rec['op']:<38}{shape:<58}{rec['median_us'] / 1e3:>10.2f}{rec['gbps']:>7.1f}"
               f"{rec['floor_ratio']:>9.1f}  {base}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
