@@ -270,6 +270,52 @@ def test_walks_holding_top_k_rows_by_their_candidates_equal_the_dense_walks(meth
     assert held_rows[-1].tokens[0, 0] == 0  # a row without mass draws token 0, not its first candidate
 
 
+@pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
+@pytest.mark.parametrize("rng_kind", ["philox", "generator"])
+def test_top_k_requests_beside_top_p_ones_are_held_by_their_candidates_with_the_dense_walks_tokens(
+        sampling, rng_kind, monkeypatch):
+    # traversal of a batch mixing top-k and greedy requests (rows held by their candidates) with top-p ones and one
+    # whose draft rows hold a negative value (whole rows): each group walked apart, on the whole batch's uniforms,
+    # gives the tokens of the batch walked over whole rows; a generator is drawn from once per stream
+    import specsampler.verify.tree as tree_module
+    import specsampler.verify.walks as walks
+
+    g = torch.Generator().manual_seed(11)
+    B, V = 8, 2048
+    parents = torch.tensor([shape_parents([3, 2, 1])] * B)
+    N = parents.shape[1]
+    logits = torch.randn(B, N, V, generator=g) * 2
+    at_parent = logits.gather(1, parents.clamp(min=0)[..., None].expand(B, N, V))
+    q = torch.softmax(at_parent * 3 + torch.randn(B, N, V, generator=g), -1)
+    x = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    q[5, 2, 7] = -0.01  # a bad draft row: request 5 walks its whole rows
+    params = SP(temperature=torch.tensor([3.0, 2.5, 0.0, 3.0, 2.0, 3.0, 3.0, 2.7]),
+                top_k=torch.tensor([64, 0, 0, 20, 0, 64, 64, 5]),
+                top_p=torch.tensor([1.0, 0.9, 1.0, 0.9, 0.95, 1.0, 1.0, 1.0]))
+    seen = []
+    held = walks.TargetRows.held
+    monkeypatch.setattr(walks.TargetRows, "held", lambda self, b, node, width: seen.append(width)
+                        or held(self, b, node, width))
+    tree = TokenTree.from_parents(parents)
+
+    def verify(seed):
+        rng = ss.Philox(torch.arange(B) + seed) if rng_kind == "philox" else torch.Generator().manual_seed(seed)
+        out = ss.verify_tree_from_logits(logits, x, tree, params, draft_probs=q, method="traversal",
+                                         draft_sampling=sampling, rng=rng)
+        return out, None if rng_kind == "philox" else torch.rand(3, generator=rng)
+
+    apart = [verify(seed) for seed in range(6)]
+    assert 64 in seen and 0 in seen  # both groups, each as it can be held
+    monkeypatch.setattr(walks, "_few_candidates", lambda rp, V: 0)  # every request over whole rows, one walk
+    monkeypatch.setattr(tree_module, "walk_held_apart", lambda walk, c, rows, rng, op: walk(c, rows, rng, op))
+    for seed, (out, after) in enumerate(apart):
+        dense, dense_after = verify(seed)
+        for field in ("path", "tokens", "num_accepted", "last_node"):
+            assert torch.equal(getattr(out, field), getattr(dense, field)), (seed, field)
+        assert after is None or torch.equal(after, dense_after)
+    assert torch.stack([out.num_accepted for out, _ in apart]).max() > 1
+
+
 @pytest.mark.parametrize("method", ["target_only", "rrs", "greedy"])
 def test_from_logits_reads_only_the_rows_on_the_walk(method):
     torch.manual_seed(4)

@@ -33,7 +33,7 @@ from ..validation import (
     fail,
 )
 from .token_tree import TokenTree
-from .walks import WALKS, TargetRows, TreeInputs, drawer, expected_target_only
+from .walks import WALKS, TargetRows, TreeInputs, drawer, expected_target_only, walk_held_apart
 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
@@ -265,6 +265,8 @@ def verify_tree_from_logits(
     rows = TargetRows(logits=target_logits, rp=rp, mask=mask)
     if use_triton(target_logits.device):
         walked = _walk_kernel(c, target_logits, rng, op, rp, mask)
+    elif c.method == "traversal":  # top-k requests held by their candidates, even beside others (rrs: the draft
+        walked = _assemble(c, *walk_held_apart(WALKS[c.method], c, rows, rng, op))  # rows' copy costs it more)
     else:
         walked = _assemble(c, *WALKS[c.method](c, rows, rng, op))
     expected = walked[1].float() if c.method == "greedy" else None
