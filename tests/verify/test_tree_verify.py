@@ -220,6 +220,19 @@ def test_a_request_verifies_the_same_whatever_its_neighbours():
                 assert alone.path[0].tolist() == full.path[b, :D].tolist()
 
 
+def _drafts_near_the_target(B: int, V: int, seed: int):
+    """A tree of 10 nodes a request (parents ``[B, N]``), target logits ``[B, N, V]``, draft rows near the target's
+    at each node's parent and drafts drawn from them (the residuals then move the mass among a row's top tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.tensor([shape_parents([3, 2, 1])] * B)
+    N = parents.shape[1]
+    logits = torch.randn(B, N, V, generator=g) * 2
+    at_parent = logits.gather(1, parents.clamp(min=0)[..., None].expand(B, N, V))
+    q = torch.softmax(at_parent * 3 + torch.randn(B, N, V, generator=g), -1)
+    x = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    return parents, logits, q, x
+
+
 @pytest.mark.parametrize("method", ["rrs", "traversal"])
 @pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
 def test_walks_holding_top_k_rows_by_their_candidates_equal_the_dense_walks(method, sampling, monkeypatch):
@@ -228,16 +241,8 @@ def test_walks_holding_top_k_rows_by_their_candidates_equal_the_dense_walks(meth
     # draft rows of zeros, a mask leaving fewer tokens than k, and rows without mass
     import specsampler.verify.walks as walks
 
-    g = torch.Generator().manual_seed(7)
     B, V = 10, 2048
-    parents = torch.tensor([shape_parents([3, 2, 1])] * B)
-    N = parents.shape[1]
-    logits = torch.randn(B, N, V, generator=g) * 2
-    # each draft drawn from a draft row near the target's at its parent (the residuals then move the mass among
-    # the candidates)
-    at_parent = logits.gather(1, parents.clamp(min=0)[..., None].expand(B, N, V))
-    q = torch.softmax(at_parent * 3 + torch.randn(B, N, V, generator=g), -1)
-    x = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    parents, logits, q, x = _drafts_near_the_target(B, V, 7)
     x[3, 2] = V + 5  # out of range: never accepted
     q[6, 1] = 0.0  # a draft row of zeros
     logits[4, :, 50:] = -float("inf")  # 50 tokens left, fewer than k = 64
@@ -280,14 +285,8 @@ def test_top_k_requests_beside_top_p_ones_are_held_by_their_candidates_with_the_
     import specsampler.verify.tree as tree_module
     import specsampler.verify.walks as walks
 
-    g = torch.Generator().manual_seed(11)
     B, V = 8, 2048
-    parents = torch.tensor([shape_parents([3, 2, 1])] * B)
-    N = parents.shape[1]
-    logits = torch.randn(B, N, V, generator=g) * 2
-    at_parent = logits.gather(1, parents.clamp(min=0)[..., None].expand(B, N, V))
-    q = torch.softmax(at_parent * 3 + torch.randn(B, N, V, generator=g), -1)
-    x = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
+    parents, logits, q, x = _drafts_near_the_target(B, V, 11)
     q[5, 2, 7] = -0.01  # a bad draft row: request 5 walks its whole rows
     params = SP(temperature=torch.tensor([3.0, 2.5, 0.0, 3.0, 2.0, 3.0, 3.0, 2.7]),
                 top_k=torch.tensor([64, 0, 0, 20, 0, 64, 64, 5]),
