@@ -159,7 +159,7 @@ _FEW_UNIFORMS = 16  # uniforms this few are computed in Python integers: numpy's
 
 
 def _uniform_python(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Tensor) -> Tensor:
-    """:func:`_uniform_numpy` in Python integers, for a few uniforms (a request's draws in the generation loop):
+    """:func:`_uniform_numpy` in Python integers, for a few uniforms (an op on a few requests seeded by a Philox):
     the same words (products of 32-bit words are exact; ``& _MASK32`` of a negative int64 is its two's
     complement's low word, as numpy's uint64 view gives): some 30 us a call and 5 us a uniform, against numpy's
     130 us a call whatever the count."""

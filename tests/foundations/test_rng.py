@@ -50,7 +50,7 @@ def test_the_numpy_and_torch_paths_draw_the_same_uniforms():
 
 
 def test_a_few_uniforms_in_python_integers_are_the_tensor_paths_numbers():
-    # the CPU's path for a few uniforms (a request's draws in the generation loop): negative seeds, offsets past
+    # the CPU's path for a few uniforms (an op on a few requests seeded by a Philox): negative seeds, offsets past
     # 32 bits, a stream per column
     g = torch.Generator().manual_seed(1)
     seed = torch.cat([torch.randint(-(2**62), 2**62, (4,), generator=g), torch.tensor([-1, 0, 2**63 - 1])])
