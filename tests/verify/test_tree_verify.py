@@ -275,11 +275,12 @@ def test_walks_holding_top_k_rows_by_their_candidates_equal_the_dense_walks(meth
     assert held_rows[-1].tokens[0, 0] == 0  # a row without mass draws token 0, not its first candidate
 
 
+@pytest.mark.parametrize("method", ["rrs", "traversal"])
 @pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
 @pytest.mark.parametrize("rng_kind", ["philox", "generator"])
 def test_top_k_requests_beside_top_p_ones_are_held_by_their_candidates_with_the_dense_walks_tokens(
-        sampling, rng_kind, monkeypatch):
-    # traversal of a batch mixing top-k and greedy requests (rows held by their candidates) with top-p ones and one
+        method, sampling, rng_kind, monkeypatch):
+    # a batch mixing top-k and greedy requests (rows held by their candidates) with top-p ones and one
     # whose draft rows hold a negative value (whole rows): each group walked apart, on the whole batch's uniforms,
     # gives the tokens of the batch walked over whole rows; a generator is drawn from once per stream
     import specsampler.verify.tree as tree_module
@@ -299,7 +300,7 @@ def test_top_k_requests_beside_top_p_ones_are_held_by_their_candidates_with_the_
 
     def verify(seed):
         rng = ss.Philox(torch.arange(B) + seed) if rng_kind == "philox" else torch.Generator().manual_seed(seed)
-        out = ss.verify_tree_from_logits(logits, x, tree, params, draft_probs=q, method="traversal",
+        out = ss.verify_tree_from_logits(logits, x, tree, params, draft_probs=q, method=method,
                                          draft_sampling=sampling, rng=rng)
         return out, None if rng_kind == "philox" else torch.rand(3, generator=rng)
 

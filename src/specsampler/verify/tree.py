@@ -265,8 +265,8 @@ def verify_tree_from_logits(
     rows = TargetRows(logits=target_logits, rp=rp, mask=mask)
     if use_triton(target_logits.device):
         walked = _walk_kernel(c, target_logits, rng, op, rp, mask)
-    elif c.method == "traversal":  # top-k requests held by their candidates, even beside others (rrs: the draft
-        walked = _assemble(c, *walk_held_apart(WALKS[c.method], c, rows, rng, op))  # rows' copy costs it more)
+    elif c.method in ("rrs", "traversal"):  # top-k requests held by their candidates, even beside others
+        walked = _assemble(c, *walk_held_apart(WALKS[c.method], c, rows, rng, op))
     else:
         walked = _assemble(c, *WALKS[c.method](c, rows, rng, op))
     expected = walked[1].float() if c.method == "greedy" else None

@@ -29,9 +29,10 @@ from .token_tree import TokenTree
 
 @dataclass(frozen=True)
 class TreeInputs(Drafts):
-    """Validated inputs. x_raw: the drafts as given (int64 ``[B, N]``); q: float32 ``[B, N, vocab.width]``;
-    columns: the columns the rows hold (None: the whole vocabulary); given_usable: :attr:`usable` where the
-    caller has it. ``x`` and ``usable`` are made on first use (:class:`~specsampler.verify.drafts.Drafts`)."""
+    """Validated inputs. x_raw: the drafts as given (int64 ``[B, N]``); q: float32 ``[B, N, vocab.width]`` (or a
+    :class:`_RequestView` of a larger batch's); columns: the columns the rows hold (None: the whole vocabulary);
+    given_usable, given_nonnegative: :attr:`usable`, :attr:`nonnegative` where the caller has them. ``x``,
+    ``usable`` and ``nonnegative`` are made on first use (:class:`~specsampler.verify.drafts.Drafts`)."""
 
     B: int
     N: int
@@ -43,19 +44,37 @@ class TreeInputs(Drafts):
     q: Tensor | None
     columns: Vocab | None = None
     given_usable: Tensor | None = field(default=None, repr=False)
+    given_nonnegative: Tensor | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def nonnegative(self) -> Tensor:
+        """bool ``[B, N]``: the draft rows holding no value below 0 and no NaN."""
+        return self.given_nonnegative if self.given_nonnegative is not None else nonnegative_rows(self.q)
 
     def _usable(self) -> Tensor:
         """Non-root present nodes whose token is in range (the others are never accepted)."""
         return (self.tree.depth > 0) & (self.x_raw >= 0) & (self.x_raw < self.V)
 
     def take(self, requests: Tensor) -> TreeInputs:
-        """The inputs of requests ``requests`` (int64 ``[b]``) as a batch of their own (their draft rows copied)."""
+        """The inputs of requests ``requests`` (int64 ``[b]``) as a batch of their own, their draft rows read where
+        they lie (:class:`_RequestView`)."""
         t = self.tree
         tree = TokenTree(t.parents[requests], t.first_child[requests], t.next_sibling[requests], t.depth[requests],
                          t.device)
         return TreeInputs(requests.numel(), self.N, self.V, self.method, self.sampling, tree, self.x_raw[requests],
-                          None if self.q is None else self.q[requests], self.columns,
-                          None if self.given_usable is None else self.given_usable[requests])
+                          _RequestView(self.q, requests), self.columns, self.usable[requests],
+                          self.nonnegative[requests])
+
+
+class _RequestView:
+    """The draft rows ``q`` float32 ``[B, N, V]`` of requests ``requests`` (int64 ``[b]``), not copied: ``view[b, ...]``
+    is ``q[requests[b], ...]`` (the rrs and traversal walks index q by their requests first)."""
+
+    def __init__(self, q: Tensor, requests: Tensor):
+        self.q, self.requests = q, requests
+
+    def __getitem__(self, index: tuple) -> Tensor:
+        return self.q[(self.requests[index[0]], *index[1:])]
 
 
 class TargetRows:
@@ -145,7 +164,7 @@ def _held_width(c: TreeInputs, rows: TargetRows) -> int:
     below 0 and no NaN (a residual ``max(r - q, 0)`` is then 0 wherever ``r`` is); 0 (whole rows) elsewhere."""
     if not rows.few or c.columns is not None:
         return 0
-    return rows.few if bool((nonnegative_rows(c.q) | (c.tree.depth <= 0)).all()) else 0
+    return rows.few if bool((c.nonnegative | (c.tree.depth <= 0)).all()) else 0
 
 
 def _held_requests(c: TreeInputs, rows: TargetRows) -> Tensor | None:
@@ -155,19 +174,17 @@ def _held_requests(c: TreeInputs, rows: TargetRows) -> Tensor | None:
         return None
     keep = torch.where(rows.rp.temperature == 0, 1, rows.rp.top_k).view(c.B, c.N)
     few = ((keep > 0) & (keep <= min(_FEW, rows.logits.shape[-1] // 8))).all(1)
-    return few & (nonnegative_rows(c.q) | (c.tree.depth <= 0)).all(1)
+    return few & (c.nonnegative | (c.tree.depth <= 0)).all(1)
 
 
 def walk_held_apart(walk, c: TreeInputs, rows: TargetRows, rng, op: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``walk`` (:func:`walk_traversal`; :func:`walk_rrs` alike) of a batch where some requests' rows can be held by
+    """``walk`` (:func:`walk_rrs` or :func:`walk_traversal`) of a batch where some requests' rows can be held by
     their candidates and others' cannot (top-k requests beside top-p ones): each group walked as a batch of its
     own, on the uniforms the whole batch draws (a request's numbers are its own, and each stream is drawn once,
     in the walk's order), so that one request's whole rows do not make every request's walk read whole rows. Any
     other batch: one walk. Returns the walk's path ``[B, D + 1]``, counts and tokens.
 
-    Each group's draft rows are copied (:meth:`TreeInputs.take`): for traversal, whose slots hold whole rows, the
-    groups cost 0.7-1.0x the one walk (8 requests of 16 nodes over 128256 tokens, 2 to 6 of them top-k); for rrs
-    1.1-1.4x, so rrs walks such a batch as one."""
+    Each group reads the draft rows where they lie (:meth:`TreeInputs.take`)."""
     held = _held_requests(c, rows)
     if held is None or bool(held.all()) or not bool(held.any()):
         return walk(c, rows, rng, op)
