@@ -174,6 +174,8 @@ def _held_requests(c: TreeInputs, rows: TargetRows) -> Tensor | None:
         return None
     keep = torch.where(rows.rp.temperature == 0, 1, rows.rp.top_k).view(c.B, c.N)
     few = ((keep > 0) & (keep <= min(_FEW, rows.logits.shape[-1] // 8))).all(1)
+    if not bool(few.any()):  # no request to hold: the draft rows need not be read
+        return few
     return few & (c.nonnegative | (c.tree.depth <= 0)).all(1)
 
 
