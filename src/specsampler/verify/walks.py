@@ -151,11 +151,19 @@ class _RequestRows(TargetRows):
 _FEW = 1024  # candidates a row may keep for the walks to hold it by its candidates
 
 
-def _few_candidates(rp: RowParams, V: int) -> int:
-    """:attr:`TargetRows.few` of rows ``rp`` over ``V`` tokens."""
+def _kept(rp: RowParams, V: int) -> Tensor:
+    """int64 ``[R]`` (one value where the rows share their parameters): the candidates each row of ``rp`` over ``V``
+    tokens keeps where that is few enough to hold it by them (top-k or greedy, at most :data:`_FEW`, in a
+    vocabulary 8 times wider), else 0."""
     s = rp.shared if rp.shared is not None else rp
     keep = torch.where(torch.as_tensor(s.temperature) == 0, 1, torch.as_tensor(s.top_k))
-    return int(keep.max()) if keep.numel() and bool(((keep > 0) & (keep <= min(_FEW, V // 8))).all()) else 0
+    return torch.where((keep > 0) & (keep <= min(_FEW, V // 8)), keep, 0)
+
+
+def _few_candidates(rp: RowParams, V: int) -> int:
+    """:attr:`TargetRows.few` of rows ``rp`` over ``V`` tokens."""
+    kept = _kept(rp, V)
+    return int(kept.max()) if kept.numel() and bool((kept > 0).all()) else 0
 
 
 def _held_width(c: TreeInputs, rows: TargetRows) -> int:
@@ -172,8 +180,7 @@ def _held_requests(c: TreeInputs, rows: TargetRows) -> Tensor | None:
     (:func:`_held_width`, request by request); None where the rows' parameters are shared (one answer for all)."""
     if rows.logits is None or rows.rp is None or rows.rp.shared is not None or c.columns is not None:
         return None
-    keep = torch.where(rows.rp.temperature == 0, 1, rows.rp.top_k).view(c.B, c.N)
-    few = ((keep > 0) & (keep <= min(_FEW, rows.logits.shape[-1] // 8))).all(1)
+    few = (_kept(rows.rp, rows.logits.shape[-1]).view(c.B, c.N) > 0).all(1)
     if not bool(few.any()):  # no request to hold: the draft rows need not be read
         return few
     return few & (c.nonnegative | (c.tree.depth <= 0)).all(1)
