@@ -149,6 +149,59 @@ def test_probability_rows_are_scaled_to_their_largest_as_ldexp_scales_them():
             assert ((want[0] > 0) & (want[0] < torch.finfo(torch.float32).tiny)).any()  # rounded into the subnormals
 
 
+def test_probability_weights_skip_the_cleaning_only_where_it_changes_nothing():
+    # rows of finite values at least 0 are scaled as they are; a row with NaN, an infinity or a negative value is
+    # cleaned first (NaN and +inf count 0, negatives 0): either way the values of cleaning every row, bit for bit,
+    # whatever the rows beside it (the check covers the whole batch: one unclean row cleans them all)
+    from specsampler.sampling.filters import _scale_to_unit_, _weights
+
+    g = torch.Generator().manual_seed(1)
+    clean = torch.rand(4, 300, generator=g) * 10.0 ** torch.randint(-40, 3, (4, 1), generator=g).float()
+    clean[0, :3] = torch.tensor([-0.0, 0.0, 1e-44])
+    clean[1] = 0.0
+    unclean = []
+    for value in (math.nan, math.inf, -1e-30):  # each alone in a batch: each must be seen
+        rows = clean.clone()
+        rows[2, 4] = value
+        unclean.append(rows)
+    for rows in (clean, *unclean, torch.cat([clean, *unclean]), clean.half()):
+        want = _scale_to_unit_(torch.nan_to_num(rows.float(), nan=0.0, posinf=0.0).clamp_(min=0.0))
+        got = _weights(rows, None, None, False)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # signed zeros included
+        assert torch.equal(ss.sample(rows, ss.Philox(torch.arange(len(rows)))),
+                           ss.sample(want, ss.Philox(torch.arange(len(rows)))))
+
+
+def test_wide_probability_rows_draw_from_masses_taken_without_their_weights():
+    # sample() of clean rows takes the weights' masses from the rows themselves (divided by the power of two z that
+    # scales them): the masses of the weights exactly, the same tokens as drawing from the weights; where z * 2**-32
+    # is not a normal float (maxima below 2**-95 or at 2**127 and above) the weights are formed first
+    from specsampler.rng import STREAM_SAMPLE, uniform
+    from specsampler.sampling.filters import _clean_top, _scale_to_unit_, _unit_divisor
+    from specsampler.sampling.masses import chunk_mass_bounds, sample_by_inversion, scaled_masses
+
+    g = torch.Generator().manual_seed(2)
+    rows = torch.rand(6, 1100, generator=g) ** 8
+    rows[0] *= 1e-28  # largest in [2**-94, 2**-93): z * 2**-32 = 2**-126, the least normal
+    rows[1] = 0.0
+    rows[2, ::3] = 0.0
+    rows[3] *= 3e38
+    rows[4] *= 1e-30
+    rows[5, 7] = 1e-45  # a subnormal weight: mass 0 either way
+    for batch, usable in ((rows[:3], True), (rows[5:], True), (rows[3:4], False), (rows[4:5], False)):
+        want = _scale_to_unit_(batch.clone())
+        z = _unit_divisor(_clean_top(batch))
+        assert (z is not None) == usable
+        if usable:
+            assert torch.equal(batch / z, want)
+            assert torch.equal(chunk_mass_bounds(batch, z=z)[2], scaled_masses(want.clone()))
+        u = uniform(ss.Philox(torch.arange(len(batch))), "sample", len(batch), 1, STREAM_SAMPLE,
+                    batch.device).reshape(-1)
+        got = ss.sample(batch, ss.Philox(torch.arange(len(batch))))
+        assert torch.equal(got, sample_by_inversion(want, u))
+
+
 def test_vocab_mask_applies_before_everything_else():
     logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0]])
     mask = torch.tensor([[False, True, True, True, False]])

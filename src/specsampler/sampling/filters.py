@@ -78,8 +78,12 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     """
     if not logits:
         w = _in_buffer(vals, out)[0]
-        w = torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0)
-        return _scale_to_unit_(w) if w.numel() else w
+        if not w.numel():
+            return w
+        top = _clean_top(vals)
+        if top is not None:  # scaled in one pass, where cleaning took two more over every value
+            return _scale_to_unit(vals, top, w)
+        return _scale_to_unit_(torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0))
     c = _scale(temperature)
     tc = top * c
     w = _exp2_weights(vals, float(c[0]) if shared and c.numel() else c, tc, out)
@@ -95,15 +99,39 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     return w.masked_fill_(~finite, 0.0)
 
 
+def _clean_top(vals: Tensor) -> Tensor | None:
+    """On CPU, each row's largest value (``[r, 1]``) of probability rows ``vals`` float ``[r, C]`` (C >= 1) whose
+    every value is finite and at least 0 (the usual case: such rows need no cleaning); None where some value is NaN
+    (it makes its row's minimum NaN), infinite or negative, and on a device (no host sync to decide)."""
+    if vals.device.type != "cpu":
+        return None
+    top = vals.amax(-1, keepdim=True)
+    return top if bool(torch.isfinite(top).all() & (vals.amin(-1) >= 0).all()) else None
+
+
+def _unit_divisor(top: Tensor) -> Tensor | None:
+    """float32 ``[r, 1]``: the power of two ``z`` by which each row whose largest value is ``top`` (``[r, 1]``,
+    finite, at least 0) divides into [0.5, 1) (the rows ``w / z`` are the weights of :func:`_scale_to_unit`, by the
+    same single rounding); None unless every ``z * 2**-32`` is a normal float32, as the masses of ``w / z`` taken in
+    one pass need (:func:`specsampler.sampling.masses.sample_by_inversion`)."""
+    ex = torch.frexp(top).exponent
+    return ((ex + 127) << 23).view(torch.float32) if bool(((ex >= -94) & (ex <= 127)).all()) else None
+
+
 def _scale_to_unit_(w: Tensor) -> Tensor:
-    """Rows of ``w`` float32 ``[r, C]`` (finite, non-negative) times the power of two that brings each row's largest
-    into [0.5, 1), in place: ``ldexp(w, e)``. Where every ``2**e`` is a normal float32 (each row's largest normal,
-    the usual case) a multiply by it, which rounds the exact product once as ``ldexp`` does, at a fiftieth of
-    ATen's ``ldexp`` on CPU (elsewhere ``ldexp``: no host sync to decide)."""
-    e = -torch.frexp(w.amax(-1, keepdim=True)).exponent
+    """:func:`_scale_to_unit` of ``w`` in place."""
+    return _scale_to_unit(w, w.amax(-1, keepdim=True), w)
+
+
+def _scale_to_unit(w: Tensor, top: Tensor, out: Tensor) -> Tensor:
+    """Rows of ``w`` float32 ``[r, C]`` (finite, non-negative; ``top`` ``[r, 1]`` their largest) times the power of
+    two that brings each row's largest into [0.5, 1), into ``out``: ``ldexp(w, e)``. Where every ``2**e`` is a
+    normal float32 (each row's largest normal, the usual case) a multiply by it, which rounds the exact product once
+    as ``ldexp`` does, at a fiftieth of ATen's ``ldexp`` on CPU (elsewhere ``ldexp``: no host sync to decide)."""
+    e = -torch.frexp(top).exponent
     if w.device.type == "cpu" and bool((e.abs() <= 126).all()):
-        return w.mul_(((e + 127) << 23).view(torch.float32))
-    return torch.ldexp(w, e, out=w)
+        return torch.mul(w, ((e + 127) << 23).view(torch.float32), out=out)
+    return torch.ldexp(w, e, out=out)
 
 
 def _scale(temperature: Tensor) -> Tensor:

@@ -130,10 +130,13 @@ def invert(cum: Tensor, t: Tensor) -> Tensor:
     return torch.minimum(idx, last).clamp_(0, max(C - 1, 0))[:, 0]
 
 
-def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
+def sample_by_inversion(weights: Tensor, u: Tensor, unit: bool = False, z: Tensor | None = None) -> Tensor:
     """Index of the first column whose cumulative mass exceeds ``floor(u * Z)``, per row.
 
-    weights: float32 ``[R, C]`` in [0, 1] (need not be normalised); u: float32 ``[R]`` in [0, 1).
+    weights: float32 ``[R, C]`` in [0, 1] (need not be normalised; ``unit``: known to hold no value outside
+    [0, 1], which spares wide rows a clamp); u: float32 ``[R]`` in [0, 1). ``z``: float32 ``[R, 1]``, powers of
+    two whose ``z * 2**-32`` are normal floats: draw from the rows ``weights / z`` instead, each value in [0, 1]
+    (wide rows' masses are then taken from ``weights`` in one pass, without the quotients').
     Returns int64 ``[R]`` in ``[0, C)``: never a column without mass when the row has mass; 0 otherwise.
     Wide rows are located from float32 sums of their masses with a certified error bound, and the exact masses
     are summed of one chunk of 256 columns per row; a row where the bound leaves two columns possible (or that
@@ -143,8 +146,8 @@ def sample_by_inversion(weights: Tensor, u: Tensor) -> Tensor:
     if C == 0 or R == 0:
         return torch.zeros(R, dtype=torch.int64, device=weights.device)
     if C >= 4 * _CHUNK:
-        return _draw_certified(weights, u)[0]
-    return _invert_few(weights, u)
+        return _draw_certified(weights, u, unit, z)[0]
+    return _invert_few(weights if z is None else weights / z, u)
 
 
 def _invert_few(weights: Tensor, u: Tensor) -> Tensor:
@@ -193,7 +196,8 @@ def _exact_sum_bounds(s: Tensor, g: float, widen: float) -> tuple[Tensor, Tensor
     return torch.ceil(s / (1 + g) * (1 - widen)), torch.floor(s / (1 - g) * (1 + widen))
 
 
-def chunk_mass_bounds(w: Tensor, scratch: str | None = None, unit: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def chunk_mass_bounds(w: Tensor, scratch: str | None = None, unit: bool = False,
+                      z: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Bounds on the masses of the chunks of 256 columns of each row, from float32 sums of masses.
 
     w: float32 ``[R, C]``. Returns float64 ``lo``, ``hi`` ``[R, ceil(C / 256)]`` (integers, ``lo <= mass <=
@@ -202,11 +206,12 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None, unit: bool = False)
     in the chunk: the sums add whole slices of it, a vectorised read; consecutive in a last, partial chunk), each
     sum within ``gamma(15)`` of the exact one (:func:`_sum_error`), then the groups' bounds in float64 (exact
     integers; their bounds' float64 divisions widened by ``2**-50`` for their own rounding). ``unit``: every value
-    of ``w`` is in [0, 1] or NaN already (no clamp: one pass fewer)."""
+    of ``w`` is in [0, 1] or NaN already (no clamp: one pass fewer). ``z``: the masses of ``w / z`` instead
+    (:func:`sample_by_inversion`'s powers of two; its quotients in [0, 1], no clamp)."""
     out = None if scratch is None or w.numel() < _SCRATCH_FROM else SCRATCH.get(scratch, w.shape, torch.float32,
                                                                                  w.device)
-    f = scaled_masses(w, out=torch.empty_like(w) if out is None else out) if unit else scaled_masses(
-        torch.clamp(w, 0.0, 1.0, out=out))
+    f = scaled_masses(w, z, out=torch.empty_like(w) if out is None else out) if unit or z is not None else \
+        scaled_masses(torch.clamp(w, 0.0, 1.0, out=out))
     return (*chunk_sum_bounds(chunk_sums(f)), f)
 
 
@@ -274,12 +279,12 @@ def _first_above(cum: Tensor, t: Tensor) -> Tensor:
     return torch.searchsorted(cum, t[:, None].contiguous(), right=True)[:, 0]
 
 
-def _draw_certified(w: Tensor, u: Tensor, unit: bool = False) -> tuple[Tensor, Tensor]:
+def _draw_certified(w: Tensor, u: Tensor, unit: bool = False, z: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`sample_by_inversion` of rows of at least 1024 columns: :func:`draw_in_bounds` over the bounds of
-    :func:`chunk_mass_bounds` (``unit``: as there) and the exact masses they come from; and the chunks' upper bounds'
-    row sums float64 ``[R]``: 0 exactly where the row's mass is (a mass of 1 or more makes its group's float32 sum
-    at least 1), NaN for a row holding a NaN."""
-    lo, hi, m = chunk_mass_bounds(w, "draw masses", unit)
+    :func:`chunk_mass_bounds` (``unit``, ``z``: as there) and the exact masses they come from; and the chunks' upper
+    bounds' row sums float64 ``[R]``: 0 exactly where the row's mass is (a mass of 1 or more makes its group's
+    float32 sum at least 1), NaN for a row holding a NaN."""
+    lo, hi, m = chunk_mass_bounds(w, "draw masses", unit, z)
     token = draw_in_bounds(lo, hi, u, w.shape[1], lambda cols: m.gather(1, cols),
                            lambda rows: torch.nan_to_num(m.index_select(0, rows), nan=0.0).double())
     return token, hi.sum(-1)

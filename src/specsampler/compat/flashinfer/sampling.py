@@ -157,9 +157,11 @@ def _rng(seed: Seed, offset: Seed, generator: torch.Generator | None, device: to
 
 
 def _positive(probs: Tensor) -> Tensor:
-    """float32 probabilities with NaN and non-positive entries zeroed (FlashInfer never samples them)."""
+    """float32 probabilities with NaN and negative entries zeroed (FlashInfer never samples them). Rows whose
+    least entry is at least 0 (no NaN: it would make that minimum NaN) are returned as they are: two reductions
+    instead of a comparison and a select over every value, which cost 10x a reduction on CPU."""
     p = probs.float()
-    return torch.where(p > 0, p, 0.0)
+    return p if p.shape[-1] == 0 or bool((p.amin(-1) >= 0).all()) else torch.where(p > 0, p, 0.0)
 
 
 def _invert_rows(dist: Tensor, rows: Tensor, u: Tensor) -> Tensor:
@@ -196,7 +198,9 @@ def _draw(op: str, dist: Tensor, indices: Tensor | None, rng: Rng, out_dtype: to
     Without indices: :func:`specsampler.sample` (the kernel on CUDA). With indices: one uniform per
     output (the one ``sample`` would draw for it), inverted on its row.
     """
-    row_valid = (dist > 0).any(-1)
+    # dist holds no NaN: any(dist > 0) is its maximum above 0, one reduction (a comparison costs 10x one on CPU)
+    row_valid = dist.amax(-1) > 0 if dist.shape[-1] else torch.zeros(dist.shape[0], dtype=torch.bool,
+                                                                        device=dist.device)
     if indices is None:
         tokens, valid = sample(dist, rng), row_valid
     else:
