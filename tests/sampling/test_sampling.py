@@ -202,6 +202,26 @@ def test_wide_probability_rows_draw_from_masses_taken_without_their_weights():
         assert torch.equal(got, sample_by_inversion(want, u))
 
 
+def test_min_p_cut_keeps_values_at_its_threshold_and_computes_aten_s_products():
+    # keep_at_least_ (min-p's cut, in NumPy on CPU) gives the products w * (w >= threshold) that ATen gives, in
+    # place: values equal to the threshold kept, signed zeros as the product leaves them, strided rows, and rows of
+    # another dtype (ATen's path)
+    from specsampler.sampling.filters import keep_at_least_
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(5, 70, generator=g)
+    w[0, :4] = torch.tensor([-0.0, 0.0, 0.25, 0.2500001])
+    threshold = torch.tensor([[0.25], [0.0], [1.0], [0.5], [0.9]])
+    w[3, 10] = 0.5
+    for rows, t in ((w, threshold), (w.t().contiguous().t(), threshold), (w[:, ::2], threshold),
+                    (w.double(), threshold.double())):
+        want = rows.clone().mul_(rows >= t)
+        got = rows.clone()
+        assert keep_at_least_(got, t) is got
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    assert w[0, 2] == 0.25 and keep_at_least_(w.clone(), threshold)[0, 2] == 0.25
+
+
 def test_vocab_mask_applies_before_everything_else():
     logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.0]])
     mask = torch.tensor([[False, True, True, True, False]])

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..params import RowParams
 from ..sampling.distributions import Part, _take
-from ..sampling.filters import _bounded_part, _weights
+from ..sampling.filters import _bounded_part, _weights, keep_at_least_
 from ..sampling.greedy import nan_as_minus_inf
 from ..sampling.masses import divide_by_, masses
 from ..sampling.processing import _kinds, _rows_of
@@ -93,7 +93,7 @@ def _plain(x: Tensor, rp: RowParams, shard: VocabShard, reads) -> Task[Rows]:
     _, top = global_top(*got.parts)
     w = _weights(x, top[:, None], rp.temperature, True, shared=rp.shared is not None)
     # the largest weight is 1 where the row has mass (exp2(0) at its maximum), on whichever rank holds it
-    w.mul_(w >= rp.min_p[:, None] * torch.isfinite(top).float()[:, None])
+    keep_at_least_(w, rp.min_p[:, None] * torch.isfinite(top).float()[:, None])
     got = yield [*mass_and_count(w), owned_values(w, row, ids, shard)]
     mass, count, at = got.parts
     total = mass.sum(0)
