@@ -77,13 +77,7 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     faster, with the same arithmetic).
     """
     if not logits:
-        w = _in_buffer(vals, out)[0]
-        if not w.numel():
-            return w
-        top = _clean_top(vals)
-        if top is not None:  # scaled in one pass, where cleaning took two more over every value
-            return _scale_to_unit(vals, top, w)
-        return _scale_to_unit_(torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0))
+        return probability_weights(vals, _clean_top(vals) if vals.numel() else None, out)
     c = _scale(temperature)
     tc = top * c
     w = _exp2_weights(vals, float(c[0]) if shared and c.numel() else c, tc, out)
@@ -97,6 +91,18 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     if bool(far.any()):
         w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
     return w.masked_fill_(~finite, 0.0)
+
+
+def probability_weights(vals: Tensor, top: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """:func:`_weights` of probability rows ``vals`` float ``[r, C]``: ``top``, their :func:`_clean_top` (None: the
+    rows are cleaned first, NaN and +inf counting 0 and negatives 0). Clean rows are scaled in one pass, where
+    cleaning takes two more over every value."""
+    w = _in_buffer(vals, out)[0]
+    if not w.numel():
+        return w
+    if top is not None:
+        return _scale_to_unit(vals, top, w)
+    return _scale_to_unit_(torch.nan_to_num(vals, nan=0.0, posinf=0.0, out=w).clamp_(min=0.0))
 
 
 def _clean_top(vals: Tensor) -> Tensor | None:
@@ -115,7 +121,12 @@ def _unit_divisor(top: Tensor) -> Tensor | None:
     same single rounding); None unless every ``z * 2**-32`` is a normal float32, as the masses of ``w / z`` taken in
     one pass need (:func:`specsampler.sampling.masses.sample_by_inversion`)."""
     ex = torch.frexp(top).exponent
-    return ((ex + 127) << 23).view(torch.float32) if bool(((ex >= -94) & (ex <= 127)).all()) else None
+    return _power_of_two(ex) if bool(((ex >= -94) & (ex <= 127)).all()) else None
+
+
+def _power_of_two(e: Tensor) -> Tensor:
+    """float32 ``2**e`` of int32 exponents ``e`` in [-126, 127] (normal floats), from their bit patterns."""
+    return ((e + 127) << 23).view(torch.float32)
 
 
 def _scale_to_unit_(w: Tensor) -> Tensor:
@@ -130,7 +141,7 @@ def _scale_to_unit(w: Tensor, top: Tensor, out: Tensor) -> Tensor:
     as ``ldexp`` does, at a fiftieth of ATen's ``ldexp`` on CPU (elsewhere ``ldexp``: no host sync to decide)."""
     e = -torch.frexp(top).exponent
     if w.device.type == "cpu" and bool((e.abs() <= 126).all()):
-        return torch.mul(w, ((e + 127) << 23).view(torch.float32), out=out)
+        return torch.mul(w, _power_of_two(e), out=out)
     return torch.ldexp(w, e, out=out)
 
 

@@ -210,8 +210,10 @@ def chunk_mass_bounds(w: Tensor, scratch: str | None = None, unit: bool = False,
     (:func:`sample_by_inversion`'s powers of two; its quotients in [0, 1], no clamp)."""
     out = None if scratch is None or w.numel() < _SCRATCH_FROM else SCRATCH.get(scratch, w.shape, torch.float32,
                                                                                  w.device)
-    f = scaled_masses(w, z, out=torch.empty_like(w) if out is None else out) if unit or z is not None else \
-        scaled_masses(torch.clamp(w, 0.0, 1.0, out=out))
+    if unit or z is not None:
+        f = scaled_masses(w, z, out=torch.empty_like(w) if out is None else out)
+    else:
+        f = scaled_masses(torch.clamp(w, 0.0, 1.0, out=out))
     return (*chunk_sum_bounds(chunk_sums(f)), f)
 
 

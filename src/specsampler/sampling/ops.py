@@ -27,7 +27,7 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _clean_top, _scale, _unit_divisor, _weights, masked_logits, sample_plain
+from .filters import _FAR, _clean_top, _scale, _unit_divisor, masked_logits, probability_weights, sample_plain
 from .greedy import greedy_ids
 from .masses import as_weight, scaled_masses
 from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
@@ -193,7 +193,7 @@ def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, valida
     z = None if top is None else _unit_divisor(top)
     if z is not None:  # the weights are rows / z: their masses taken from the rows, without the weights' own pass
         return sample_by_inversion(rows, u, z=z).reshape(probs.shape[:-1])
-    weights = _weights(rows, None, None, False)  # in [0, 1]: as the masses need
+    weights = probability_weights(rows, top)  # in [0, 1]: as the masses need
     return sample_by_inversion(weights, u, unit=True).reshape(probs.shape[:-1])
 
 
