@@ -109,11 +109,16 @@ class ModelDrafter:
             return q.topk(min(c, V), -1).indices.reshape(B, -1), None, rows
         if self.how == "iid":
             return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels, positive).view(B, -1), None, rows
-        left, xs, have = q.clone(), [], []
-        for _ in range(c):  # without replacement: each draw removes its token from the parent's row
+        # without replacement: each draw removes its token from the parent's row; the first draws from q itself (as
+        # every draw of a rank's own children, with the fewer ops of rows that all have mass where they do)
+        x = draw_rows(q.reshape(-1, V), B, calls.pop(0), self.kernels, positive).view(B, P)
+        if c == 1:
+            return x, None if positive else q.sum(-1) > 0, rows
+        left, xs, have = q.clone(), [x], [q.sum(-1) > 0]
+        for _ in range(c - 1):
+            left.scatter_(-1, x[..., None], 0.0)
             have.append(left.sum(-1) > 0)
             x = draw_rows(left.view(-1, V), B, calls.pop(0), self.kernels).view(B, P)
-            left.scatter_(-1, x[..., None], 0.0)
             xs.append(x)
         return torch.stack(xs, 2).reshape(B, -1), torch.stack(have, 2).reshape(B, -1), rows
 
