@@ -12,62 +12,100 @@ rows cost less than a batched walk's gathers over every request (the generation 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
-from ..sampling.masses import as_weight, divide_by, normalise, row_mass, sample_by_inversion
+from ..sampling.masses import MASS_BITS, row_mass, sample_by_inversion
 from .token_tree import TokenTree
 
 OP = "reference"
+# The loops' scalars (acceptance weights, ratios, coins) are float32 numbers on the host: the same IEEE float32
+# arithmetic as 0-d tensors, without a tensor operation's microseconds per step; like tensors, they give inf and
+# NaN without a warning.
+f32 = np.float32
+quiet = np.errstate(all="ignore")
+_UNIT = 2.0**-MASS_BITS
 
 
-def _draw(weights: Tensor, u: Tensor) -> int:
-    """Inversion over one row of (unnormalised) weights ``[V]`` with uniform ``u`` (0-d)."""
-    return int(sample_by_inversion(weights[None], u[None])[0])
+def _draw(weights: Tensor, u: float) -> int:
+    """Inversion over one row of (unnormalised) weights ``[V]`` with uniform ``u``."""
+    return int(sample_by_inversion(weights[None], torch.tensor([u], dtype=torch.float32))[0])
 
 
-def _ratio(num: Tensor, den: Tensor, floor: float = 1e-30) -> Tensor:
-    """``min(1, num / den)``, 0 when ``num <= 0`` (float32 0-d tensors); chains divide by ``den``
-    itself (``floor=0``), trees by ``max(den, 1e-30)``, as their vectorised walks do."""
-    return torch.where(num > 0, torch.where(num >= den, 1.0, num / den.clamp(min=floor)), 0.0)
+def _at(row: Tensor, i: int) -> np.float32:
+    """``row[i]`` as a host float32."""
+    return f32(row[i].item())
+
+
+def _ratio(num: np.float32, den: np.float32, floor: float = 1e-30) -> np.float32:
+    """``min(1, num / den)``, 0 when ``num <= 0`` (float32); chains divide by ``den`` itself (``floor=0``), trees by
+    ``max(den, 1e-30)`` (a NaN ``den`` stays NaN), as their vectorised walks do."""
+    if not num > 0:
+        return f32(0.0)
+    return f32(1.0) if num >= den else num / np.maximum(den, f32(floor))
+
+
+def _mass(w: Tensor) -> tuple[float, np.float32]:
+    """A row's exact mass (float) and its float32 weight (the mass rounded once, :func:`masses.as_weight`)."""
+    mass = row_mass(w).item()
+    return mass, f32(mass * _UNIT)
+
+
+def _renormalised(w: Tensor, z: np.float32) -> Tensor:
+    """``w / z`` for a row of mass (:func:`masses.divide_by`'s quotients)."""
+    return w / float(z)
+
+
+def _normalise(w: Tensor) -> Tensor:
+    """A row over its exact sum (all 0 without mass: :func:`masses.normalise`)."""
+    mass, z = _mass(w)
+    return _renormalised(w, z) if mass > 0 else torch.zeros_like(w)
+
+
+def _after_rejection(s: np.float32, a: np.float32, mass: float) -> np.float32:
+    """The acceptance weight ``s / (s + 1 - a)`` a rejection leaves (0 where the residual has no mass or a is 0)."""
+    return s / (s + f32(1.0) - a) if mass > 0 and a > 0 else f32(0.0)
 
 
 def _usable(x: int, V: int) -> bool:
     return 0 <= x < V  # a draft id out of range is never accepted
 
 
-def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: Tensor, u_draw: Tensor) -> tuple[list[int], int]:
-    """Rejection sampling, one request: p ``[K+1, V]``, q ``[K, V]``, x its K drafts. -> (tokens, accepted)."""
+@quiet
+def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: list[float], u_draw: list[float]) -> tuple[list[int], int]:
+    """Rejection sampling, one request: p ``[K+1, V]``, q ``[K, V]``, x its K drafts, the uniforms of its K+1 nodes
+    (float32 values). -> (tokens, accepted)."""
     V = p.shape[1]
     for i, xi in enumerate(x):
-        if _usable(xi, V) and u_acc[i + 1] * q[i, xi] < p[i, xi]:  # draft i is node i+1
+        if _usable(xi, V) and f32(u_acc[i + 1]) * _at(q[i], xi) < _at(p[i], xi):  # draft i is node i+1
             continue
         residual = (p[i] - q[i]).clamp(min=0.0)
         return x[:i] + [_draw(residual if row_mass(residual) > 0 else p[i], u_draw[i])], i
     return x + [_draw(p[len(x)], u_draw[len(x)])], len(x)
 
 
-def chain_block(p: Tensor, q: Tensor, x: list[int], eta: Tensor, u_draw: Tensor) -> tuple[list[int], int]:
+@quiet
+def chain_block(p: Tensor, q: Tensor, x: list[int], eta: list[float], u_draw: list[float]) -> tuple[list[int], int]:
     """Block verification, one request: the weights ``a``, residuals ``w`` and ``h``; tau from the top."""
     K, V = len(x), p.shape[1]
-    a, w, h = [torch.tensor(1.0)], [], [torch.tensor(1.0)]
+    a, w, h = [f32(1.0)], [], [f32(1.0)]
     for i, xi in enumerate(x):
-        ok = _usable(xi, V)
-        a.append(_ratio(a[i] * p[i, xi], q[i, xi], 0.0) if ok else torch.tensor(0.0))
-        w.append((a[i] * p[i] - q[i]).clamp(min=0.0))
-        s = as_weight(row_mass(w[i]))
+        a.append(_ratio(a[i] * _at(p[i], xi), _at(q[i], xi), 0.0) if _usable(xi, V) else f32(0.0))
+        w.append((p[i] * float(a[i]) - q[i]).clamp(min=0.0))
+        mass, s = _mass(w[i])
         if i > 0:
-            h.append(torch.where((s > 0) & (a[i] > 0), s / (s + 1 - a[i]), 0.0))  # a_i = 0 stays unaccepted
+            h.append(_after_rejection(s, a[i], mass))  # a_i = 0 stays unaccepted
     h.append(a[K])
     if K == 0:
         h = h[:1]
-    tau = max(i for i in range(K + 1) if i == 0 or eta[i] < h[i])
+    tau = max(i for i in range(K + 1) if i == 0 or f32(eta[i]) < h[i])
     stop = w[tau] if tau < K and row_mass(w[tau]) > 0 else p[tau]
     return x[:tau] + [_draw(stop, u_draw[tau])], tau
 
 
-def chain_draws(p: Tensor, x: list[int], u_draw: Tensor | None) -> tuple[list[int], int]:
+def chain_draws(p: Tensor, x: list[int], u_draw: list[float] | None) -> tuple[list[int], int]:
     """target_only (``u_draw`` given: sample then compare) or greedy (``None``: argmax), one request."""
     for i in range(len(x) + 1):
         y = int(p[i].argmax()) if u_draw is None else _draw(p[i], u_draw[i])
@@ -84,8 +122,8 @@ def verify_chain(target_probs: Tensor, draft_tokens: Tensor, draft_probs: Tensor
     """
     B, K1, _ = target_probs.shape
     dev = target_probs.device
-    u_draw = uniform(rng, OP, B, K1, STREAM_SAMPLE, dev)
-    u_acc = uniform(rng, OP, B, K1, STREAM_ACCEPT, dev)
+    u_draw = uniform(rng, OP, B, K1, STREAM_SAMPLE, dev).tolist()
+    u_acc = uniform(rng, OP, B, K1, STREAM_ACCEPT, dev).tolist()
     tokens = torch.full((B, K1), -1, dtype=torch.int64)
     accepted = torch.zeros(B, dtype=torch.int64)
     for b in range(B):
@@ -101,7 +139,7 @@ def verify_chain(target_probs: Tensor, draft_tokens: Tensor, draft_probs: Tensor
     return tokens, accepted
 
 
-def tree_draws(p: Tensor, x: list[int], kids: list[list[int]], u_draw: Tensor | None) -> tuple[list[int], int]:
+def tree_draws(p: Tensor, x: list[int], kids: list[list[int]], u_draw: list[float] | None) -> tuple[list[int], int]:
     """Tree target_only / greedy, one request: draw at v, move to the first child carrying the draw."""
     path = [0]
     while True:
@@ -113,69 +151,71 @@ def tree_draws(p: Tensor, x: list[int], kids: list[list[int]], u_draw: Tensor | 
         path.append(nxt)
 
 
+@quiet
 def tree_rrs(p, q, x, kids, u_acc, u_draw, without_replacement: bool) -> tuple[list[int], int]:
     """Recursive rejection sampling, one request: children in sibling order against the residual r."""
     V, path = p.shape[1], [0]
     while True:
-        v, r = path[-1], p[path[-1]].clone()
-        shared = q[kids[v][0]].clone() if kids[v] and without_replacement else None
+        v = path[-1]
+        r = p[v]
+        shared = q[kids[v][0]] if kids[v] and without_replacement else None
         for c in kids[v]:
             qc = shared if shared is not None else q[c]
-            if _usable(x[c], V) and u_acc[c] * qc[x[c]] < r[x[c]]:
+            if _usable(x[c], V) and f32(u_acc[c]) * _at(qc, x[c]) < _at(r, x[c]):
                 path.append(c)
                 break
             residual = (r - qc).clamp(min=0.0)
-            mass = row_mass(residual)
+            mass, z = _mass(residual)
             if mass > 0:
-                r = divide_by(residual, mass)
+                r = _renormalised(residual, z)
             if shared is not None:
                 shared = qc.clone()
                 shared[min(max(x[c], 0), V - 1)] = 0.0
-                shared = normalise(shared)
+                shared = _normalise(shared)
         else:
             return path, _draw(r, u_draw[v])
 
 
+@quiet
 def tree_traversal(p, q, x, kids, eta, u_draw, without_replacement: bool) -> tuple[list[int], int]:
     """Traversal verification, one request: test the first leaf in depth-first order; on rejection
     delete it and update its parent's Mb, Ms and a; recompute a down the new leftmost path."""
     V = p.shape[1]
     xs = [min(max(t, 0), V - 1) for t in x]
-    stack, a, mb, ms = [0], [torch.tensor(1.0)], [p[0].clone()], [None]
+    stack, a, mb, ms = [0], [f32(1.0)], [p[0]], [None]
     siblings_left = [list(kids[0])]
 
     def push(node: int) -> None:
         j = len(stack) - 1
-        q_x = ms[j][xs[node]] if without_replacement else q[node, xs[node]]
-        a.append(_ratio(a[j] * mb[j][xs[node]], q_x) if _usable(x[node], V) else torch.tensor(0.0))
-        stack.append(node), mb.append(p[node].clone()), ms.append(None), siblings_left.append(list(kids[node]))
+        q_x = _at(ms[j] if without_replacement else q[node], xs[node])
+        a.append(_ratio(a[j] * _at(mb[j], xs[node]), q_x) if _usable(x[node], V) else f32(0.0))
+        stack.append(node), mb.append(p[node]), ms.append(None), siblings_left.append(list(kids[node]))
 
     def descend() -> None:
         while siblings_left[-1]:
             kid = siblings_left[-1].pop(0)
             if without_replacement:
-                ms[-1] = q[kid].clone()  # all children of a node share its q
+                ms[-1] = q[kid]  # all children of a node share its q
             push(kid)
 
     descend()
     while True:
         j, leaf = len(stack) - 1, stack[-1]
-        if j == 0 or eta[leaf] < a[j]:
+        if j == 0 or f32(eta[leaf]) < a[j]:
             return list(stack), _draw(mb[j], u_draw[leaf])
         for lst in (stack, a, mb, ms, siblings_left):
             lst.pop()
         j -= 1
         qq = ms[j] if without_replacement else q[leaf]
-        w = (a[j] * mb[j] - qq).clamp(min=0.0)
-        mass = row_mass(w)
+        w = (mb[j] * float(a[j]) - qq).clamp(min=0.0)
+        mass, s = _mass(w)
         if mass > 0:
-            mb[j] = divide_by(w, mass)
-        s = as_weight(mass)
-        a[j] = torch.where((mass > 0) & (a[j] > 0), s / (s + 1 - a[j]), 0.0)  # a = 0 stays 0
+            mb[j] = _renormalised(w, s)
+        a[j] = _after_rejection(s, a[j], mass)  # a = 0 stays 0
         if without_replacement:
             qq = qq.clone()
             qq[xs[leaf]] = 0.0
-            ms[j] = normalise(qq)
+            ms[j] = _normalise(qq)
         if siblings_left[-1]:
             push(siblings_left[-1].pop(0))
             descend()
@@ -189,8 +229,8 @@ def verify_tree(target_probs: Tensor, draft_tokens: Tensor, tree: TokenTree, dra
     """
     B, N, _ = target_probs.shape
     D, dev = tree.max_depth, target_probs.device
-    u_draw = uniform(rng, OP, B, N, STREAM_SAMPLE, dev)
-    u_acc = uniform(rng, OP, B, N, STREAM_ACCEPT, dev)
+    u_draw = uniform(rng, OP, B, N, STREAM_SAMPLE, dev).tolist()
+    u_acc = uniform(rng, OP, B, N, STREAM_ACCEPT, dev).tolist()
     path_out = torch.full((B, D + 1), -1, dtype=torch.int64)
     tokens = torch.full((B, D + 1), -1, dtype=torch.int64)
     wo = draft_sampling == "without_replacement"

@@ -383,7 +383,7 @@ def _walk_each(c: TreeInputs, p: Tensor, draw: Callable[[int, int], Tensor]) -> 
     operations on single rows per node where the batched walk's cost tens of gathers and scatters."""
     from . import reference
 
-    u_accept, u_draw = draw(STREAM_ACCEPT, c.N), draw(STREAM_SAMPLE, c.N)
+    u_accept, u_draw = draw(STREAM_ACCEPT, c.N).tolist(), draw(STREAM_SAMPLE, c.N).tolist()
     walk = reference.tree_rrs if c.method == "rrs" else reference.tree_traversal
     wo = c.sampling == "without_replacement"
     return _paths(c, [walk(p[b], c.q[b], x, _kids(c.tree, b), u_accept[b], u_draw[b], wo)
