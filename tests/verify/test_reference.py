@@ -111,3 +111,40 @@ def test_reference_loops_equal_the_kernels(monkeypatch):
         want = reference.verify_tree(p, drafts, tree, q, method=method, draft_sampling=sampling, rng=rng)
         got = _tree_res(p, drafts, tree, q, method, sampling, rng)
         assert all(torch.equal(w, g) for w, g in zip(want, got)), (method, sampling)
+
+
+def _outputs(res):
+    return res.tokens, res.num_accepted, res.expected_accepted
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_a_lone_request_chain_walked_by_its_loop_equals_the_batched_walk(method, monkeypatch):
+    """The generation loop's entry walks a lone request's token or block chain by its plain loop on the CPU: the
+    batched walk's tokens and counts, for every number of drafts, top-p and plain rows, short and long rows."""
+    from specsampler.params import SamplingParams
+    from specsampler.sampling.ops import _small_constants
+    from specsampler.verify import chain as chain_module
+
+    assert chain_module.LOOPED_BATCH >= 1
+    seen = set()
+    for seed in range(48):
+        g = torch.Generator().manual_seed(seed)
+        K, V = 4, (64, 256, 1500)[seed % 3]
+        params = SamplingParams(temperature=0.9, top_p=(1.0, 0.8)[seed % 2])
+        q = _dist(1, K, V, sharp=3.0, gen=g)
+        drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(1, K)
+        logits = torch.log(0.7 * q + 0.3 * _dist(1, K, V, gen=g)) * 1.1
+        logits = torch.cat([logits, torch.randn(1, 1, V, generator=g)], 1)
+        num = torch.tensor([seed % (K + 1)])
+        usable = torch.arange(K)[None] < num[:, None]
+        rp = params.rows("t", 1, K + 1, torch.device("cpu"), False)
+        u = {s: torch.rand(1, K + 1, generator=g) for s in (ss.rng.STREAM_SAMPLE, ss.rng.STREAM_ACCEPT)}
+        args = (logits, drafts, q, num, usable, method, params, rp, None, lambda s, n, u=u: u[s][:, :n],
+                _small_constants(rp, V))
+        looped = _outputs(chain_module._verify_chain_prepared(*args))
+        monkeypatch.setattr(chain_module, "LOOPED_BATCH", 0)
+        batched = _outputs(chain_module._verify_chain_prepared(*args))
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(looped, batched)), (method, seed)
+        seen.add(int(looped[1]) == int(num))
+    assert seen == {True, False}  # chains accepted whole and chains stopped by a rejection

@@ -41,6 +41,7 @@ from ..validation import (
 from .drafts import Drafts
 
 METHODS = ("token", "block", "target_only", "greedy")
+LOOPED_BATCH = 1  # token and block chains of this many requests are walked by their plain loops on the CPU
 
 
 @dataclass(frozen=True)
@@ -428,7 +429,8 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     ``[B, K]``, position < num_drafts; method: a resolved method; rp: the parameters of the
     ``B * (K+1)`` rows, and ``small`` their :func:`_small_constants` (or None); ``draw(stream,
     count)``: the uniforms the public op would draw from ``rng`` (kernels draw from ``rng``
-    themselves). The same tokens as the public op.
+    themselves). The same tokens as the public op. On the CPU, a lone request's ``token`` or ``block`` chain is
+    walked by its plain loop (:func:`_walk_each`).
     """
     B, K1, V = logits.shape
     c = ChainInputs(B, K1 - 1, V, method, drafts, num_drafts, draft_probs, given_usable=usable)
@@ -439,4 +441,21 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
     if method == "greedy":
         return _verify(c, None, greedy_ids(x).view(B, K1), rng, op, draw)
     target = _process_prepared(x, rp, small)
+    if method in ("token", "block") and B <= LOOPED_BATCH and x.device.type == "cpu":
+        return _walk_each(c, target, draw)
     return _verify(c, target, None, rng, op, draw)
+
+
+def _walk_each(c: ChainInputs, target: Processed, draw: Callable[[int, int], Tensor]) -> ChainResult:
+    """``token`` or ``block`` for each request by its plain loop (:mod:`.reference`, tested equal to :func:`_verify`),
+    on the dense target rows and the same uniforms: a lone request's chain costs fewer operations so, its scalars on
+    the host, than the batched walk's gathers over every position."""
+    from . import reference
+
+    u_draw, u_accept = draw(STREAM_SAMPLE, c.K + 1).tolist(), draw(STREAM_ACCEPT, c.K + 1).tolist()
+    walk = reference.chain_token if c.method == "token" else reference.chain_block
+    p = target.dense().view(c.B, c.K + 1, c.V)
+    walks = [walk(p[b], c.q[b], x[:k], u_accept[b], u_draw[b])
+             for b, (x, k) in enumerate(zip(c.x_raw.tolist(), c.num_drafts.tolist()))]
+    n = torch.tensor([a for _, a in walks])
+    return _result(c, n, torch.tensor([out[a] for out, a in walks]), lambda: _expected(c, target, n))
