@@ -248,10 +248,12 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
             return _result(c, n, c.vocab.draw(stop, u), lambda: _expected(c, target, n))
         rejected = n < c.num_drafts
         q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
-        if not bool(rejected.all()):  # a request that accepted every draft draws its bonus from p itself
-            q_rows.mul_(rejected[:, None])
+        if bool(rejected.all()):
+            stop.sub_(q_rows)
+        else:  # a request that accepted every draft draws its bonus from p itself: p - q * 0 (q * 1 and q * 0 exact)
+            stop.addcmul_(q_rows, rejected[:, None].to(stop.dtype), value=-1)
         # clamped to [0, 1], not only at 0: the draw's masses clamp so anyway, and need no pass of their own
-        stop.sub_(q_rows).clamp_(0.0, 1.0)
+        stop.clamp_(0.0, 1.0)
         y, mass = c.vocab.draw_with_mass(stop, u, unit=True)
         empty = rejected & ~mass
         if bool(empty.any()):  # a residual without mass: draw from p itself
