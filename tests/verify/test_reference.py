@@ -98,6 +98,28 @@ def test_a_few_requests_walked_by_their_loops_equal_the_batched_walk_whatever_th
         assert all(torch.equal(a, b) for a, b in zip(looped, batched)), (method, sampling, seed)
 
 
+@pytest.mark.parametrize("method, sampling", TREE_CASES[:4])
+def test_wide_rows_walked_by_the_loops_beyond_a_few_requests_equal_the_batched_walk(method, sampling, monkeypatch):
+    """Over wide rows verify_tree walks more requests by the plain loops (the batched walks' passes grow with V): the
+    batched walk's paths and tokens."""
+    from specsampler.verify import tree as tree_module
+
+    B, V = 8, 8192
+    assert B > tree_module.LOOPED_BATCH_PROBS and tree_module._looped(method, B, V)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        p, drafts, tree, q = tree_case(seed, 5, V)
+        p, drafts, q = p.repeat(2, 1, 1)[:B], drafts.repeat(2, 1)[:B], q.repeat(2, 1, 1)[:B]
+        p = p + 0.1 * torch.rand(p.shape, generator=g)  # unnormalised rows, the requests no longer alike
+        tree = ss.TokenTree.from_parents(tree.parents.repeat(2, 1)[:B])
+        rng = ss.Philox(torch.arange(B) + seed)
+        looped = _tree_res(p, drafts, tree, q, method, sampling, rng)
+        monkeypatch.setattr(tree_module, "_looped", lambda *args: False)
+        batched = _tree_res(p, drafts, tree, q, method, sampling, rng)
+        monkeypatch.undo()
+        assert all(torch.equal(a, b) for a, b in zip(looped, batched)), (method, sampling, seed)
+
+
 def test_reference_loops_equal_the_kernels(monkeypatch):
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
     p, drafts, q, num_drafts = chain_case(5)

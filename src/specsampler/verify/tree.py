@@ -38,11 +38,21 @@ from .walks import WALKS, TargetRows, TreeInputs, drawer, expected_target_only, 
 METHODS = ("greedy", "target_only", "rrs", "traversal")
 DRAFT_SAMPLING = ("iid", "without_replacement")
 # Up to these many requests, rrs and traversal on the CPU walk each request by its plain loop (a few operations on
-# single rows per node tested), where the batched walks' gathers and scatters over every request cost more. In the
-# generation loop (short rows, every row processed at once): 6-31% less library time at 3 and 8 requests, 10-19% more
-# at 16. verify_tree on 15 nodes: 1.2-3.5x faster at 1-4 requests over 256 or 32000 tokens (rrs 0.95x at 4 over
-# 32000), 0.7x at 8 over 256.
+# single rows per node tested, its scalars on the host), where the batched walks' gathers and scatters over every
+# request cost more. In the generation loop (short rows, every row processed at once): 6-31% less library time at 3
+# and 8 requests, 10-19% more at 16. verify_tree on 15 nodes: 1.2-3.5x faster at 1-4 requests over 256 or 32000
+# tokens, 0.7x at 8 over 256. Wider rows make the batched walks' passes over every request's rows dearer:
+# verify_tree's loops also take up to V // 1024 requests (rrs) or V // 512 (traversal). Measured on 15 nodes: at 16
+# requests over 16384 tokens rrs 13 against 14 ms, traversal 69 against 116; at 32 over 32000, 40 against 72 and 136
+# against 301.
 LOOPED_BATCH, LOOPED_BATCH_PROBS = 8, 4
+
+
+def _looped(method: str, batch: int, vocab: int) -> bool:
+    """Whether :func:`verify_tree` walks ``batch`` requests' rrs or traversal trees over ``vocab`` tokens (dense rows)
+    by the plain loops on the CPU."""
+    return method in ("rrs", "traversal") and batch <= max(LOOPED_BATCH_PROBS,
+                                                          vocab // (512 if method == "traversal" else 1024))
 
 
 @dataclass(frozen=True)
@@ -184,8 +194,9 @@ def verify_tree(
     Returns:
         :class:`TreeResult`; paths valid and tokens in ``[0, V)`` or ``-1``, whatever the values.
 
-    On the CPU, rrs and traversal of up to ``LOOPED_BATCH_PROBS`` requests walk each request by its plain loop
-    (:mod:`.reference`), cheaper there than the batched walk: the same paths and tokens, whatever the values.
+    On the CPU, rrs and traversal of up to ``LOOPED_BATCH_PROBS`` requests (more over wide rows: :func:`_looped`)
+    walk each request by its plain loop (:mod:`.reference`), cheaper there than the batched walk: the same paths
+    and tokens, whatever the values.
 
     Example:
         >>> import torch, specsampler as ss
@@ -202,7 +213,7 @@ def verify_tree(
                     full, False)
     if use_triton(target_probs.device):
         walked = _walk_kernel(c, target_probs, rng, op)
-    elif c.method in ("rrs", "traversal") and c.B <= LOOPED_BATCH_PROBS and target_probs.device.type == "cpu":
+    elif target_probs.device.type == "cpu" and _looped(c.method, c.B, c.V):
         walked = _assemble(c, *_walk_each(c, target_probs.float(), drawer(c, rng, op, None)))
     else:
         walked = _assemble(c, *WALKS[c.method](c, TargetRows(probs=target_probs), rng, op))
@@ -327,7 +338,7 @@ def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Ten
         proc = None if method == "greedy" else _process_prepared(logits.view(-1, V), rp, small)
         if cpu and method in ("greedy", "target_only"):
             walked = _assemble(c, *_walk_draws_host(c, logits, proc, draw))
-        elif cpu and B <= LOOPED_BATCH:
+        elif cpu and method in ("rrs", "traversal") and B <= LOOPED_BATCH:  # rows held by candidates stay so beyond
             walked = _assemble(c, *_walk_each(c, proc.dense().view(B, N, V), draw))
         else:
             walked = _assemble(c, *WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw))
