@@ -559,16 +559,18 @@ def test_the_draw_of_few_candidates_on_cpu_equals_the_tensor_ops(C):  # NumPy's 
 
     g = torch.Generator().manual_seed(C)
     for _ in range(40):
-        p = torch.rand(16, C, generator=g) ** 4
-        p[p < 0.3] = 0.0
+        p = torch.rand(16, C, generator=g) ** 4 * 1.2 - 0.1  # values below 0 and above 1 too
+        p[p.abs() < 0.3] = 0.0
         p[0] = 0.0  # no mass
         p[1, 0] = float("nan")
         p[2] = p[2] / p[2].sum()
+        p[3, -1], p[4, 0] = float("inf"), -float("inf")
         u = torch.rand(16, generator=g)
-        u[:2] = torch.tensor([0.0, 1 - 2**-24])
+        u[:3] = torch.tensor([0.0, 1 - 2**-24, 1.0])
         cum = masses(p).cumsum(-1)
         want = invert(cum, draw_target(u, cum[:, -1]))  # the definition over the prefix sums
         assert torch.equal(invert_few_on_cpu(p, u), want) and torch.equal(_invert_few(p, u), want)
+        assert torch.equal(invert_few_on_cpu(p[5:6], u[5:6]), want[5:6])  # a lone row
 
 
 @pytest.mark.parametrize("V", [7, 5000, 128256])
