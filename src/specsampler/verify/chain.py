@@ -460,4 +460,5 @@ def _walk_each(c: ChainInputs, target: Processed, draw: Callable[[int, int], Ten
     walks = [walk(p[b], c.q[b], x[:k], u_accept[b], u_draw[b])
              for b, (x, k) in enumerate(zip(c.x_raw.tolist(), c.num_drafts.tolist()))]
     n = torch.tensor([a for _, a in walks])
-    return _result(c, n, torch.tensor([out[a] for out, a in walks]), lambda: _expected(c, target, n))
+    tokens = torch.tensor([out + [-1] * (c.K + 1 - len(out)) for out, _ in walks])  # as _result() lays them out
+    return ChainResult(tokens, n, lambda: _expected(c, target, n))

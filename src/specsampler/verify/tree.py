@@ -214,7 +214,7 @@ def verify_tree(
     if use_triton(target_probs.device):
         walked = _walk_kernel(c, target_probs, rng, op)
     elif target_probs.device.type == "cpu" and _looped(c.method, c.B, c.V):
-        walked = _assemble(c, *_walk_each(c, target_probs.float(), drawer(c, rng, op, None)))
+        walked = _walk_each(c, target_probs.float(), drawer(c, rng, op, None))
     else:
         walked = _assemble(c, *WALKS[c.method](c, TargetRows(probs=target_probs), rng, op))
     expected = None
@@ -337,9 +337,9 @@ def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Ten
     else:
         proc = None if method == "greedy" else _process_prepared(logits.view(-1, V), rp, small)
         if cpu and method in ("greedy", "target_only"):
-            walked = _assemble(c, *_walk_draws_host(c, logits, proc, draw))
+            walked = _walk_draws_host(c, logits, proc, draw)
         elif cpu and method in ("rrs", "traversal") and B <= LOOPED_BATCH:  # rows held by candidates stay so beyond
-            walked = _assemble(c, *_walk_each(c, proc.dense().view(B, N, V), draw))
+            walked = _walk_each(c, proc.dense().view(B, N, V), draw)
         else:
             walked = _assemble(c, *WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw))
     return _result(walked, walked[1].float() if method == "greedy" else None)
@@ -358,18 +358,24 @@ def _kids(tree, b: int) -> list[list[int]]:
     return kids
 
 
-def _paths(c: TreeInputs, walks: list[tuple[list[int], int]]) -> tuple[Tensor, Tensor, Tensor]:
-    """Each request's (accepted nodes from the root, emitted token) as path ``[B, D+1]``, counts, tokens."""
-    path = torch.full((c.B, c.tree.max_depth + 1), -1, dtype=torch.int64)
-    for b, (nodes, _) in enumerate(walks):
-        path[b, : len(nodes)] = torch.tensor(nodes)
-    return path, torch.tensor([len(nodes) - 1 for nodes, _ in walks]), torch.tensor([y for _, y in walks])
+def _paths(c: TreeInputs, walks: list[tuple[list[int], int]]) -> tuple[Tensor, ...]:
+    """:func:`_assemble`'s five outputs from each request's walk on the host, (accepted nodes from the root,
+    emitted token): built from lists, without a tensor operation per output."""
+    width, x = c.tree.max_depth + 1, c.x_raw.tolist()
+    path, tokens = [], []
+    for b, (nodes, y) in enumerate(walks):
+        pad = [-1] * (width - len(nodes))
+        path.append(nodes + pad)
+        tokens.append([x[b][v] for v in nodes[1:]] + [y] + pad)
+    return (torch.tensor(path), torch.tensor([len(nodes) - 1 for nodes, _ in walks]),
+            torch.tensor([y for _, y in walks]), torch.tensor(tokens), torch.tensor([nodes[-1] for nodes, _ in walks]))
 
 
 def _walk_draws_host(c: TreeInputs, logits: Tensor, proc: Processed | None,
-                     draw: Callable[[int, int], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                     draw: Callable[[int, int], Tensor]) -> tuple[Tensor, ...]:
     """greedy / target_only: every node's draw at once (a node's draw is its own whether or not the
-    walk reaches it: the same numbers as :func:`walk_draws`), then each request's walk on the host."""
+    walk reaches it: the same numbers as :func:`walk_draws`), then each request's walk on the host
+    (:func:`_assemble`'s outputs)."""
     if c.method == "greedy":
         drawn = greedy_ids(logits)
     else:
@@ -388,10 +394,11 @@ def _walk_draws_host(c: TreeInputs, logits: Tensor, proc: Processed | None,
     return _paths(c, walks)
 
 
-def _walk_each(c: TreeInputs, p: Tensor, draw: Callable[[int, int], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def _walk_each(c: TreeInputs, p: Tensor, draw: Callable[[int, int], Tensor]) -> tuple[Tensor, ...]:
     """rrs or traversal for each request by its plain loop (:mod:`.reference`, tested equal to the
     batched walks), on the dense target rows ``p`` float32 ``[B, N, V]``: a request's walk costs a few
-    operations on single rows per node where the batched walk's cost tens of gathers and scatters."""
+    operations on single rows per node where the batched walk's cost tens of gathers and scatters
+    (:func:`_assemble`'s outputs)."""
     from . import reference
 
     u_accept, u_draw = draw(STREAM_ACCEPT, c.N).tolist(), draw(STREAM_SAMPLE, c.N).tolist()
