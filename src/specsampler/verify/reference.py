@@ -6,8 +6,9 @@ draws (:mod:`specsampler.kernels.chain`, :mod:`specsampler.kernels.tree`), so al
 the tests hold them to it.
 Python per node: for reading and for tests, and for few requests on the CPU, where a node's few operations on single
 rows cost less than a batched walk's gathers over every request (the generation loop walks rrs and traversal of up to
-8 requests by :func:`tree_rrs` and :func:`tree_traversal`). Inputs from probabilities; formulas: docs/design.md,
-"Algorithms".
+8 requests by :func:`tree_rrs` and :func:`tree_traversal`, a lone request's chain by :func:`chain_token` and
+:func:`chain_block`; ``verify_tree`` a few requests, more over wide rows). Inputs from probabilities; formulas:
+docs/design.md, "Algorithms".
 """
 
 from __future__ import annotations
