@@ -450,8 +450,8 @@ def _verify_chain_prepared(logits: Tensor, drafts: Tensor, draft_probs: Tensor |
 
 def _walk_each(c: ChainInputs, target: Processed, draw: Callable[[int, int], Tensor]) -> ChainResult:
     """``token`` or ``block`` for each request by its plain loop (:mod:`.reference`, tested equal to :func:`_verify`),
-    on the dense target rows and the same uniforms: a lone request's chain costs fewer operations so, its scalars on
-    the host, than the batched walk's gathers over every position."""
+    on the dense target rows and the same uniforms: a lone request's loop, its scalars on the host, takes fewer
+    operations than the batched walk's gathers over every position."""
     from . import reference
 
     u_draw, u_accept = draw(STREAM_SAMPLE, c.K + 1).tolist(), draw(STREAM_ACCEPT, c.K + 1).tolist()
