@@ -142,7 +142,8 @@ def _outputs(res):
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_a_lone_request_chain_walked_by_its_loop_equals_the_batched_walk(method, monkeypatch):
     """The generation loop's entry walks a lone request's token or block chain by its plain loop on the CPU: the
-    batched walk's tokens and counts, for every number of drafts, top-p and plain rows, short and long rows."""
+    batched walk's tokens and counts, for every number of drafts, top-p and plain rows, short and long rows, rows
+    without mass and odd logits."""
     from specsampler.params import SamplingParams
     from specsampler.sampling.ops import _small_constants
     from specsampler.verify import chain as chain_module
@@ -157,6 +158,14 @@ def test_a_lone_request_chain_walked_by_its_loop_equals_the_batched_walk(method,
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(1, K)
         logits = torch.log(0.7 * q + 0.3 * _dist(1, K, V, gen=g)) * 1.1
         logits = torch.cat([logits, torch.randn(1, 1, V, generator=g)], 1)
+        row = int(torch.randint(0, K + 1, (1,), generator=g))
+        if seed % 4 == 1:  # rows a model's odd logits make: without mass, NaN, inf; a draft row without mass
+            logits[0, row] = float("-inf")
+        elif seed % 4 == 2:
+            logits[0, row, ::3] = float("nan")
+        elif seed % 4 == 3:
+            logits[0, row] = float("inf") if seed % 8 == 3 else logits[0, row]
+            q[0, min(row, K - 1)] = 0.0
         num = torch.tensor([seed % (K + 1)])
         usable = torch.arange(K)[None] < num[:, None]
         rp = params.rows("t", 1, K + 1, torch.device("cpu"), False)
