@@ -112,9 +112,10 @@ class ModelDrafter:
         # without replacement: each draw removes its token from the parent's row; the first draws from q itself (as
         # every draw of a rank's own children, with the fewer ops of rows that all have mass where they do)
         x = draw_rows(q.reshape(-1, V), B, calls.pop(0), self.kernels, positive).view(B, P)
+        has = None if positive else q.sum(-1) > 0  # None: every row has mass, every first child exists
         if c == 1:
-            return x, None if positive else q.sum(-1) > 0, rows
-        left, xs, have = q.clone(), [x], [q.sum(-1) > 0]
+            return x, has, rows
+        left, xs, have = q.clone(), [x], [torch.ones_like(x, dtype=torch.bool) if has is None else has]
         for _ in range(c - 1):
             left.scatter_(-1, x[..., None], 0.0)
             have.append(left.sum(-1) > 0)

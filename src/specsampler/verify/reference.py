@@ -91,18 +91,19 @@ def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: list[float], u_draw: 
 def chain_block(p: Tensor, q: Tensor, x: list[int], eta: list[float], u_draw: list[float]) -> tuple[list[int], int]:
     """Block verification, one request: the weights ``a``, residuals ``w`` and ``h``; tau from the top."""
     K, V = len(x), p.shape[1]
-    a, w, h = [f32(1.0)], [], [f32(1.0)]
+    a, w, w_mass, h = [f32(1.0)], [], [], [f32(1.0)]
     for i, xi in enumerate(x):
         a.append(_ratio(a[i] * _at(p[i], xi), _at(q[i], xi), 0.0) if _usable(xi, V) else f32(0.0))
         w.append((p[i] * float(a[i]) - q[i]).clamp(min=0.0))
         mass, s = _mass(w[i])
+        w_mass.append(mass)
         if i > 0:
             h.append(_after_rejection(s, a[i], mass))  # a_i = 0 stays unaccepted
     h.append(a[K])
     if K == 0:
         h = h[:1]
     tau = max(i for i in range(K + 1) if i == 0 or f32(eta[i]) < h[i])
-    stop = w[tau] if tau < K and row_mass(w[tau]) > 0 else p[tau]
+    stop = w[tau] if tau < K and w_mass[tau] > 0 else p[tau]
     return x[:tau] + [_draw(stop, u_draw[tau])], tau
 
 

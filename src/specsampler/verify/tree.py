@@ -338,7 +338,9 @@ def _verify_tree_prepared(logits: Tensor, drafts: Tensor, tree, draft_probs: Ten
         proc = None if method == "greedy" else _process_prepared(logits.view(-1, V), rp, small)
         if cpu and method in ("greedy", "target_only"):
             walked = _walk_draws_host(c, logits, proc, draw)
-        elif cpu and method in ("rrs", "traversal") and B <= LOOPED_BATCH:  # rows held by candidates stay so beyond
+        # not _looped's wider rule: beyond LOOPED_BATCH, the batched walks hold top-k rows by their candidates, which
+        # the loops would make dense
+        elif cpu and method in ("rrs", "traversal") and B <= LOOPED_BATCH:
             walked = _walk_each(c, proc.dense().view(B, N, V), draw)
         else:
             walked = _assemble(c, *WALKS[method](c, _AllRows(logits, proc), rng, "speculative_generate", draw))
