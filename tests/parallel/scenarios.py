@@ -513,11 +513,14 @@ GATHERED_BY_LINK = "wider, on a latency-bound link"  # rows wider than the width
 MASSES_A_ROUND = "held, on a bandwidth-bound link"  # without replacement the shared q's masses a round each
 
 
-def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice):
-    """For each kind of row and case of :func:`nuclei`: ``(kind, params, case, width, link, q, rng)``, the draft rows
-    ``q[:, drafted]`` given a value below 0 or NaN at _OUTSIDE in those cases; "wider": every row wider than the width
-    (0), gathered only where a link makes that cheaper (:func:`_held_width`)."""
-    for kind in ("top-p", "min-p", "top-p, min-p", "temperature", "mixed"):
+NARROW_KINDS = ("top-p", "min-p", "top-p, min-p", "temperature", "mixed")
+
+
+def _narrow_cases(g: torch.Generator, B: int, q: torch.Tensor, drafted: slice, kinds=NARROW_KINDS):
+    """For each kind of row (of ``kinds``) and case of :func:`nuclei`: ``(kind, params, case, width, link, q, rng)``,
+    the draft rows ``q[:, drafted]`` given a value below 0 or NaN at _OUTSIDE in those cases; "wider": every row wider
+    than the width (0), gathered only where a link makes that cheaper (:func:`_held_width`)."""
+    for kind in kinds:
         params = _params(g, B) if KINDS[kind] is None else ss.SamplingParams(**KINDS[kind])
         for case, width, link, bad in (("held", walks.HELD_WIDTH, None, None), (MASSES_A_ROUND, walks.HELD_WIDTH,
                                                                                  parallel.Link(0.0, 1.0), None),
@@ -540,10 +543,13 @@ def nuclei(shard, g):
     gathers them, and a bandwidth-only one, which does not). Whether each equals the one-device op, its
     collectives, accepted counts and the rounds it may take past the processing and one: without replacement, on a
     bandwidth-only link, the shared q's masses past the processing's two rounds, one a round (elsewhere its rows are
-    gathered whole beside the rows)."""
+    gathered whole beside the rows). At the suite's size each kind of row meets one of the three trees (the root of
+    eight children: top-p and temperature rows), every kind at full size (``SPECSAMPLER_FULL_MC=1``)."""
     B = 6
     out = []
-    for shape in ([-1] + [0] * 8, WIDE, BINARY):
+    full = os.environ.get("SPECSAMPLER_FULL_MC") == "1"  # the suite's full-size switch
+    for s, shape in enumerate(([-1] + [0] * 8, WIDE, BINARY)):
+        kinds = NARROW_KINDS if full else NARROW_KINDS[s::3]
         tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
         N = len(shape)
         x = torch.randn(B, N, V, generator=g) * 4  # peaked: nuclei of a few tokens
@@ -552,7 +558,7 @@ def nuclei(shard, g):
         q = (torch.softmax(x[:, parent], -1) + 3 * torch.softmax(torch.randn(B, N, V, generator=g), -1)) / 4
         drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, N)
         widest = max(shape.count(i) for i in range(N))
-        for kind, params, case, width, link, qb, rng in _narrow_cases(g, B, q, slice(1, None)):
+        for kind, params, case, width, link, qb, rng in _narrow_cases(g, B, q, slice(1, None), kinds):
             for method, sampling in TREE_WALKS:
                 same, calls, accepted = _tree_walk(shard, x, drafts, tree_, params, qb, method, sampling, rng, width,
                                                    link)

@@ -4,6 +4,7 @@ collectives whose rounds and bytes do not grow with the vocabulary."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import socket
@@ -54,9 +55,28 @@ def _worker(rank: int, world: int, port: int, layout: int, out_dir: str) -> None
 
 @pytest.fixture(scope="module", params=[(w, layout) for w in WORLDS for layout in (0, 1)],
                 ids=lambda p: f"world{p[0]}-{'even' if p[1] == 0 else 'uneven'}")
-def ranks(request):
-    """The results of every rank of one spawned group: ``[rank] -> {scenario: result}``."""
+def ranks(request, tmp_path_factory):
+    """The results of every rank of one spawned group: ``[rank] -> {scenario: result}``. Spawned once a run: under
+    xdist a module fixture is set up in each worker that runs one of its tests, so the first worker to need a group
+    spawns it, and the others wait for its results (a lock in the run's directory shared by the workers)."""
     world, layout = request.param
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _spawn(world, layout)
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+    results = shared / f"parallel-world{world}-layout{layout}.pkl"
+    with open(shared / f"parallel-world{world}-layout{layout}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if results.exists():
+            with open(results, "rb") as f:
+                return pickle.load(f)
+        out = _spawn(world, layout)
+        with open(results, "wb") as f:
+            pickle.dump(out, f)
+        return out
+
+
+def _spawn(world: int, layout: int) -> list[dict]:
+    """Run every scenario on a spawned gloo group of ``world`` ranks (shard ``layout``): each rank's results."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_worker, args=(world, _free_port(), layout, out), nprocs=world, join=False,
                                  start_method="spawn")
