@@ -112,7 +112,8 @@ def test_lean_loop_gives_the_public_ops_tokens_on_the_built_in_pair(setup, B, wa
 
 def test_short_row_processing_equals_process():
     """The short-row path of the loop's processing gives process()'s numbers and draws (ties, masked
-    tokens, temperatures, top-p values, vocabularies of 64 to 1024), and declines what it does not cover."""
+    tokens, temperatures, top-p values, vocabularies of 64 to 1024, prefix masses on the top-p target), and
+    declines what it does not cover."""
     from specsampler.sampling.ops import _process_small, _small_constants
     from specsampler.sampling.processing import process
 
@@ -130,6 +131,13 @@ def test_short_row_processing_equals_process():
         fast, want = _process_small(x, _small_constants(rp, V)), process(x, rp, logits=True)
         u = torch.rand(R, generator=g)
         assert torch.equal(fast.dense(), want.dense()) and torch.equal(fast.sample(u), want.sample(u)), trial
+    for k in (2, 4, 8):  # k tokens of equal weight: a prefix's mass lands on the target exactly (kept: below it)
+        for top_p in (0.25, 0.5, 0.75):
+            x = torch.full((1, 64), float("-inf"))
+            x[0, 3:3 + 5 * k:5] = 1.0
+            rp = ss.SamplingParams(top_p=top_p).rows("t", 1, 1, cpu, False)
+            fast, want = _process_small(x, _small_constants(rp, 64)), process(x, rp, logits=True)
+            assert torch.equal(fast.dense(), want.dense()), (k, top_p)
     x = torch.randn(2, 256)
     x[1, 3] = float("inf")
     rp = ss.SamplingParams(top_p=0.9).rows("t", 2, 1, cpu, False)

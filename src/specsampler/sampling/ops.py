@@ -332,30 +332,33 @@ def _small_constants(rp: RowParams, V: int) -> tuple[Tensor, ...] | None:
     return _scale(rp.temperature), rp.top_p.double()[:, None]
 
 
-def _process_small(x: Tensor, constants: tuple[Tensor, ...]) -> Processed | None:
+def _process_small(x: Tensor, small: tuple[Tensor, ...]) -> Processed | None:
     """``process(x, rp, logits=True)`` for top-p rows over a short vocabulary, in a fraction of its ops.
 
-    x: float32 ``[R, V]``; constants: :func:`_small_constants`. The same arithmetic as
+    x: float32 ``[R, V]``; small: :func:`_small_constants`. The same arithmetic as
     :func:`process` takes for such rows (``exp2`` of ``x * c - top * c``, the top-p cut in the
     (weight desc, id asc) order and the normalisation on exact masses), so the same numbers;
     returned dense, which samples and reads as the candidates in id order do. None where
     ``top * c`` is not finite or ``|top * c| >= 2**24`` (use :func:`process`).
     """
-    c, top_p = constants
-    tc = x.amax(-1, keepdim=True) * c
+    c, top_p = small
+    xc = torch.mul(x, c)
+    # fl(x * c) grows with x (c > 0), so the largest product is the largest logit's, top * c: the same tc
+    tc = xc.amax(-1, keepdim=True)
     # a NaN logit makes its row's maximum NaN: past this check the rows hold numbers, and weights in [0, 1]
     if not all(math.isfinite(v) and abs(v) < _FAR for (v,) in tc.tolist()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
     # bit for bit process()'s weights (elementwise, every value in the vectorised body: V is a multiple of 64),
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
-    w = torch.mul(x, c).sub_(tc).exp2_().clamp_(max=1.0)
+    w = xc.sub_(tc).exp2_().clamp_(max=1.0)
     w, order = torch.sort(w, dim=-1, descending=True, stable=True)
-    m = scaled_masses(w, out=torch.empty_like(w)).double()  # masses.masses() of weights in [0, 1]
-    cum = m.cumsum(-1)
-    # masses.top_p_target: ceil(top_p * Z), at most Z already (top_p < 1 and Z an integer)
-    keep = (cum - m) < torch.ceil(top_p * cum[:, -1:])
+    cum = scaled_masses(w, out=torch.empty_like(w)).double().cumsum_(-1)  # of masses.masses(): weights in [0, 1]
+    # a token is kept where the mass before it is below masses.top_p_target, ceil(top_p * Z) (at most Z already:
+    # top_p < 1 and Z an integer): the first n + 1, n the count of prefix masses below it (cum ends at Z: n < V)
+    n = torch.searchsorted(cum, torch.ceil(top_p * cum[:, -1:]))
     # process()'s normalisation: the kept weights over their exact mass (at least the top's, 2**32: no zero)
-    kept = torch.where(keep, w, 0.0).div_(as_weight(m.mul_(keep).sum(-1, keepdim=True)))
+    kept = torch.where(constants.index_in_request(1, x.shape[1], x.device) <= n, w, 0.0)
+    kept.div_(as_weight(cum.gather(1, n)))
     # every row keeps its top weight, 1: a positive mass, and quotients in [0, 1]
     return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept), positive=True)
 
