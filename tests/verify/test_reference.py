@@ -164,7 +164,8 @@ def test_a_lone_request_chain_walked_by_its_loop_equals_the_batched_walk(method,
         elif seed % 4 == 2:
             logits[0, row, ::3] = float("nan")
         elif seed % 4 == 3:
-            logits[0, row] = float("inf") if seed % 8 == 3 else logits[0, row]
+            if seed % 8 == 3:
+                logits[0, row] = float("inf")
             q[0, min(row, K - 1)] = 0.0
         num = torch.tensor([seed % (K + 1)])
         usable = torch.arange(K)[None] < num[:, None]
