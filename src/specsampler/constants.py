@@ -57,3 +57,14 @@ def index_in_request(batch: int, count: int, device: torch.device | str) -> Tens
     device = _device(device)
     return _kept(("index", batch, count, device),
                  lambda: torch.arange(count, device=device).repeat(batch))
+
+
+def plan_counters(plan: tuple[tuple[int, int], ...], device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """An op's planned draws (``(stream, count)`` pairs, :func:`specsampler.rng.planned`) laid side by side: each
+    draw's index within its stream and its stream, int64 ``[sum of counts]`` each, shared."""
+    device = _device(device)
+    index = _kept(("plan index", plan, device), lambda: torch.cat(
+        [torch.arange(count, dtype=torch.int64) for _, count in plan]).to(device))
+    streams = _kept(("plan streams", plan, device), lambda: torch.cat(
+        [torch.full((count,), s, dtype=torch.int64) for s, count in plan]).to(device))
+    return index, streams

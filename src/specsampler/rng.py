@@ -120,19 +120,20 @@ def philox4x32_numpy(counter: tuple, key: tuple, rounds: int = 10):
     """:func:`philox4x32` on numpy uint64 arrays of 32-bit words (broadcastable shapes; exact products: the CPU
     path). At a batch's sizes numpy's cost is per operation, not per number, so the words are stacked in pairs
     that share every operation of a round: ``(c0, c2)`` multiplied by ``(A, B)`` at once, then each product's
-    high word xored with ``(c1, c3)`` and the round keys (all rounds' keys made at once, at full shape)."""
-    shape = np.broadcast_shapes(*(np.shape(w) for w in (*counter, *key)))
-    ones = (2,) + (1,) * len(shape)
+    high word xored with ``(c1, c3)`` and the round keys (all rounds' keys made at once, at the keys' own shape:
+    a request's, not each of its draws')."""
+    shape = np.broadcast_shapes(*(np.shape(w) for w in counter))
+    key_shape = np.broadcast_shapes(*(np.shape(w) for w in key))
     mask, s32 = np.uint64(_MASK32), np.uint64(32)
     x = np.empty((2, *shape), np.uint64)  # (c0, c2)
     y = np.empty_like(x)  # (c1, c3)
     x[0], y[0], x[1], y[1] = counter
-    keys = np.empty((rounds, 2, *shape), np.uint64)
+    keys = np.empty((rounds, 2, *key_shape), np.uint64)
     keys[:, 0], keys[:, 1] = key
-    keys += np.arange(rounds, dtype=np.uint64).reshape(rounds, 1, *ones[1:]) * np.array(
-        [_KEY_A, _KEY_B], np.uint64).reshape(ones)
+    keys += np.arange(rounds, dtype=np.uint64).reshape(rounds, 1, *(1,) * len(key_shape)) * np.array(
+        [_KEY_A, _KEY_B], np.uint64).reshape(2, *(1,) * len(key_shape))
     keys &= mask
-    factors = np.array([_ROUND_B, _ROUND_A], np.uint64).reshape(ones)
+    factors = np.array([_ROUND_B, _ROUND_A], np.uint64).reshape(2, *(1,) * len(shape))
     for r in range(rounds):
         p = x[::-1] * factors  # (c2 B, c0 A): the products the new (c0, c2) take their high words from
         x = (p >> s32) ^ y ^ keys[r]
@@ -176,16 +177,14 @@ def _uniform_python(seed: Tensor, offset: Tensor, index: Tensor, stream: int | T
     return torch.tensor(out, dtype=torch.float32).view(index.shape)
 
 
-def _uniform_numpy(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
-    u64 = lambda t: t.numpy().astype(np.uint64, order="C")  # two's complement: the low 64 bits
+def _uniform_numpy(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Tensor) -> Tensor:
+    u64 = lambda t: t.numpy().view(np.uint64)  # noqa: E731  (two's complement: the low 64 bits; no copy)
     mask, s32 = np.uint64(_MASK32), np.uint64(32)
-    s, o, i = u64(seed)[:, None], u64(offset)[:, None], u64(index)
-    lo, hi = np.broadcast_to(o & mask, i.shape), np.broadcast_to(o >> s32, i.shape)
-    streams = stream.numpy() if isinstance(stream, Tensor) else stream
-    counter = (i & mask, np.broadcast_to(np.asarray(streams, dtype=np.uint64), i.shape), lo, hi)
-    word = philox4x32_numpy(counter, (s & mask, s >> s32))[0]
-    u = (word >> np.uint64(8)).astype(np.float32, order="C") * np.float32(2.0**-24)
-    return torch.from_numpy(np.ascontiguousarray(u).reshape(index.shape))
+    s, o = u64(seed)[:, None], u64(offset)[:, None]
+    streams = u64(stream) if isinstance(stream, Tensor) else np.uint64(stream)
+    word = philox4x32_numpy((u64(index) & mask, streams, o & mask, o >> s32), (s & mask, s >> s32))[0]
+    u = (word >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
+    return torch.from_numpy(u.reshape(index.shape))
 
 
 def _uniform_torch(seed: Tensor, offset: Tensor, index: Tensor, stream: int) -> Tensor:
@@ -204,7 +203,7 @@ def uniform(rng, op: str, batch: int, count: int, stream: int, device: torch.dev
     """``count`` uniforms per request, float32 ``[batch, count]`` in [0, 1), at indices 0..count-1."""
     if isinstance(rng, Philox):
         seed, offset = rng.keys(op, batch, device)
-        index = torch.arange(count, device=device, dtype=torch.int64).expand(batch, count)
+        index = constants.index_in_request(1, count, device).expand(batch, count)
         return philox_uniform(seed, offset, index, stream)
     if isinstance(rng, Uniforms):
         return rng.stream(op, stream, batch, count, device)
@@ -221,8 +220,7 @@ def planned(rng, op: str, batch: int, plan: tuple[tuple[int, int], ...], device:
     if not isinstance(rng, Philox) or len(plan) < 2:
         return lambda stream, count: uniform(rng, op, batch, count, stream, device)
     seed, offset = rng.keys(op, batch, device)
-    index = torch.cat([torch.arange(count, dtype=torch.int64) for _, count in plan]).to(device)
-    streams = torch.cat([torch.full((count,), s, dtype=torch.int64) for s, count in plan]).to(device)
+    index, streams = constants.plan_counters(plan, device)
     u = philox_uniform(seed, offset, index.expand(batch, -1), streams).split([count for _, count in plan], 1)
     ready = {s: part for (s, _), part in zip(plan, u)}
 
