@@ -40,6 +40,12 @@ def _at(row: Tensor, i: int) -> np.float32:
     return f32(row[i].item())
 
 
+def _values_at(rows: Tensor, x: list[int]) -> list[np.float32]:
+    """``rows[i, x[i]]`` for each row ``[n, V]`` as host float32 (0 where ``x[i]`` is not a token: never read)."""
+    ids = torch.tensor([xi if _usable(xi, rows.shape[1]) else 0 for xi in x], dtype=torch.int64)
+    return [f32(v) for v in rows.gather(1, ids[:, None])[:, 0].tolist()]
+
+
 def _ratio(num: np.float32, den: np.float32, floor: float = 1e-30) -> np.float32:
     """``min(1, num / den)``, 0 when ``num <= 0`` (float32); chains divide by ``den`` itself (``floor=0``), trees by
     ``max(den, 1e-30)`` (a NaN ``den`` stays NaN), as their vectorised walks do."""
@@ -89,16 +95,17 @@ def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: list[float], u_draw: 
 
 @quiet
 def chain_block(p: Tensor, q: Tensor, x: list[int], eta: list[float], u_draw: list[float]) -> tuple[list[int], int]:
-    """Block verification, one request: the weights ``a``, residuals ``w`` and ``h``; tau from the top."""
+    """Block verification, one request: the weights ``a``, residuals ``w`` and ``h``; tau from the top. (The K
+    residuals are formed together, each row as alone: elementwise, and its exact mass summed within it.)"""
     K, V = len(x), p.shape[1]
-    a, w, w_mass, h = [f32(1.0)], [], [], [f32(1.0)]
+    p_x, q_x = _values_at(p[:K], x), _values_at(q[:K], x)
+    a, h = [f32(1.0)], [f32(1.0)]
     for i, xi in enumerate(x):
-        a.append(_ratio(a[i] * _at(p[i], xi), _at(q[i], xi), 0.0) if _usable(xi, V) else f32(0.0))
-        w.append((p[i] * float(a[i]) - q[i]).clamp(min=0.0))
-        mass, s = _mass(w[i])
-        w_mass.append(mass)
-        if i > 0:
-            h.append(_after_rejection(s, a[i], mass))  # a_i = 0 stays unaccepted
+        a.append(_ratio(a[i] * p_x[i], q_x[i], 0.0) if _usable(xi, V) else f32(0.0))
+    w = (p[:K] * torch.tensor(a[:K], dtype=torch.float32)[:, None] - q[:K]).clamp(min=0.0)
+    w_mass = row_mass(w).tolist()
+    for i in range(1, K):
+        h.append(_after_rejection(f32(w_mass[i] * _UNIT), a[i], w_mass[i]))  # a_i = 0 stays unaccepted
     h.append(a[K])
     if K == 0:
         h = h[:1]
