@@ -1112,3 +1112,52 @@ def test_a_batch_of_every_kind_takes_each_kind_s_own_path(monkeypatch):
     logits, params = _every_kind_batch(4096)
     ss.sample_from_logits(logits, params, ss.Philox(torch.arange(len(_EVERY_KIND))))
     assert seen == {"plain": [3], "nan": [1]}
+
+
+@pytest.fixture
+def threads():
+    """``threads(n)``: run the test's ops on n intra-op threads (restored after)."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_a_row_processes_and_samples_as_alone_whatever_the_thread_count(threads, n):
+    # ATen splits an elementwise loop over more than 32768 values among its threads, and from 3 threads up a
+    # thread's share may end inside an iteration of the vectorised loop: the exponentials there rounded as the
+    # scalar loop does, at places that depend on the batch (with 7 threads, rows 2, 3 and 7 of the plain batch below
+    # were processed otherwise than alone); short rows of the generation loop's top-p processing included
+    from specsampler.sampling.ops import _process_small, _small_constants
+
+    threads(n)
+    for B, V, params in [(9, 32000, SP(1.0)), (13, 4160, SP(0.8)), (40, 4096, SP(0.8, top_p=0.9)),
+                         (5, 128256, SP(0.7, min_p=0.01))]:
+        x = torch.randn(B, V, generator=torch.Generator().manual_seed(B * V)) * 3
+        together = ss.logits_to_probs(x, params)
+        drawn = ss.sample_from_logits(x, params, ss.Philox(torch.arange(B)), num_logprobs=2)
+        for b in range(B):
+            assert torch.equal(ss.logits_to_probs(x[b:b + 1], params)[0], together[b]), (B, V, b)
+            alone = ss.sample_from_logits(x[b:b + 1], params, ss.Philox(torch.tensor([b])), num_logprobs=2)
+            assert alone.tokens.item() == drawn.tokens[b].item() and torch.equal(alone.logprobs[0], drawn.logprobs[b])
+            assert torch.equal(alone.top_logprobs[0], drawn.top_logprobs[b])
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(1)) * 3
+    rp = SP(0.8, top_p=0.95).rows("t", 300, 1, torch.device("cpu"), False)
+    rp_one = SP(0.8, top_p=0.95).rows("t", 1, 1, torch.device("cpu"), False)
+    together = _process_small(x, _small_constants(rp, 256)).dense()
+    for b in range(300):
+        assert torch.equal(_process_small(x[b:b + 1], _small_constants(rp_one, 256)).dense()[0], together[b]), b
+
+
+@pytest.mark.parametrize("n", [64 * 1001, 64 * 3001, 128256 * 3, 128256 * 8])
+def test_exponentials_over_grid_length_buffers_round_as_on_one_thread(threads, n):
+    from specsampler.sampling.rounding import grid_length
+
+    x = -torch.rand(n, generator=torch.Generator().manual_seed(n)) * 30
+    threads(1)
+    want = torch.exp2(x)  # one thread: every value in the vectorised body (n is a multiple of 64)
+    for t in (2, 3, 4, 5, 7, 16):
+        threads(t)
+        m = grid_length(n)
+        assert m % 64 == 0 and n <= m < n + 64 * t
+        assert torch.equal(torch.exp2(torch.nn.functional.pad(x, (0, m - n)))[:n], want), t

@@ -29,7 +29,7 @@ from .masses import (
     row_mass,
     top_p_target,
 )
-from .rounding import _VECTOR_BODY, in_vector_body
+from .rounding import grid_length, in_vector_body
 from .scratch import SCRATCH
 from .topk import ordered_prefix
 
@@ -64,13 +64,13 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     """Unnormalised probabilities, at most 1: ``exp((x - top) / T)`` for logits, else x (negative or NaN
     probabilities count as 0) times the power of two that brings the row's largest into [0.5, 1) (exact: the
     masses of :mod:`.masses` need weights in [0, 1]); a new tensor, or at the start of ``out`` (a flat float32
-    buffer of at least the values rounded up to a multiple of 64, which the exponential overwrites).
+    buffer of at least :func:`~.rounding.grid_length` of the values, which the exponential overwrites).
 
     From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32): a
     multiply and a subtraction (not fused: ATen fuses them in its vectorised loop only, so a
     value's rounding would depend on its place in the tensor, which differs on a shard) and a
     base-2 exponential, which costs half of ``exp`` on CPU. The exponential runs over whole
-    iterations of ATen's vectorised loop (the values rounded up to a multiple of 64, see
+    iterations of ATen's vectorised loop on every thread (:func:`~.rounding.grid_length`, see
     :func:`in_vector_body`), so that a row's values round the same whatever rows come before it.
     top: float32 ``[r, 1]``, the row maximum; a row whose maximum is not finite has no mass.
     temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply-add,
@@ -151,11 +151,12 @@ def _scale(temperature: Tensor) -> Tensor:
 
 
 def _in_buffer(vals: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
-    """A tensor shaped as ``vals`` at the start of ``out`` (or a new buffer), and the buffer rounded up to a
-    multiple of 64 values (whole iterations of ATen's vectorised loops)."""
+    """A tensor shaped as ``vals`` at the start of ``out`` (or a new buffer; at least :func:`grid_length` of the
+    values), and the buffer of that length (whole iterations of ATen's vectorised loops, on every thread)."""
     n = vals.numel()
-    whole = -(-n // _VECTOR_BODY) * _VECTOR_BODY
+    whole = grid_length(n)
     buf = torch.empty(whole, device=vals.device) if out is None else out[:whole]
+    assert buf.numel() == whole, "a weights buffer shorter than grid_length(values)"
     return buf[:n].view(vals.shape), buf
 
 
@@ -362,7 +363,7 @@ def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int, rows: Tensor | 
         block = x[s:e] if rows is None else torch.index_select(
             x, 0, rows[s:e], out=SCRATCH.get("plain rows", (e - s, V), x.dtype, x.device))
         tc = torch.amax(block, -1, keepdim=True, out=top[s:e]) * c[s:e]
-        out = SCRATCH.get("weights", (block.numel() + _VECTOR_BODY,), torch.float32, x.device)
+        out = SCRATCH.get("weights", (grid_length(block.numel()),), torch.float32, x.device)
         w = _exp2_weights(block, float(c[0]) if shared else c[s:e], tc, out)  # rows with a far top: redone below
         if w_max is not None:
             keep_at_least_(w, rp.min_p[s:e, None] * torch.amax(w, -1, keepdim=True, out=w_max[s:e]))

@@ -24,7 +24,7 @@ from .filters import (
     _within,
 )
 from .masses import as_weight, mass_interval, masses, row_mass, top_p_target
-from .rounding import _VECTOR_BODY
+from .rounding import grid_length
 from .scratch import SCRATCH
 from .topk import _by_row, _chunk_len, _positions, ordered_prefix
 
@@ -126,7 +126,8 @@ def _weights_and_bounds(x: Tensor, rp: RowParams, logits: bool) -> tuple[Tensor 
     step = max(1, _WEIGHTS_BLOCK // max(V, 1))
     # each block's weights in place in one buffer (the exponential's padding runs into the next block's rows,
     # written after it, and past the last into the buffer's own padding)
-    flat = SCRATCH.get("weights", (r * V + _VECTOR_BODY,), torch.float32, x.device)
+    size = max((s * V + grid_length(min(step, r - s) * V) for s in range(0, r, step)), default=0)
+    flat = SCRATCH.get("weights", (size,), torch.float32, x.device)
     out = []
     for s in range(0, r, step):
         xb = x[s:s + step]

@@ -4,6 +4,7 @@ inputs alone (docs/design.md, promise 3, "Reproducible per request")."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor
 
 _SUM_BLOCK = 256  # values per block of the sums of padded rows (padded_row_sum)
 _VECTOR_BODY = 64  # lengths that are whole iterations of ATen's vectorised CPU loops (in_vector_body)
+_GRAIN = 32768  # ATen's at::internal::GRAIN_SIZE: elementwise loops over more values are split among threads
 
 
 def row_sum(t: Tensor, keepdim: bool = False) -> Tensor:
@@ -54,11 +56,43 @@ def in_vector_body(fn, t: Tensor) -> Tensor:
     and another in the scalar tail of a loop, and where a value falls depends on the batch
     when its place in the tensor does: a request's log-probability among the others' (the
     weights of :func:`.filters._weights` are computed in a buffer of whole iterations instead).
-    Padded, every value is in the body. (A loop over 32768 values or more is split across
-    threads; with two, the split falls on the vector grid too; with more it may not, and a few
-    values at a split can round otherwise.)
+    Padded, every value is in the body; a loop over more values than ATen runs on one thread is computed over a
+    flat buffer of :func:`grid_length` values, so that every thread's share is whole iterations too.
     """
     if t.device.type != "cpu":
         return fn(t)
     C = t.shape[-1]
-    return fn(torch.nn.functional.pad(t, (0, -C % _VECTOR_BODY)))[..., :C]
+    t = torch.nn.functional.pad(t, (0, -C % _VECTOR_BODY))
+    n = t.numel()
+    m = grid_length(n)
+    if m == n:
+        return fn(t)[..., :C]
+    return fn(torch.nn.functional.pad(t.reshape(-1), (0, m - n)))[:n].view(t.shape)[..., :C]
+
+
+def exp2_(t: Tensor) -> Tensor:
+    """``t.exp2_()`` for a contiguous ``t`` whose last dim is a multiple of 64 (each row whole iterations of the
+    vectorised loop), computed as :func:`in_vector_body` does where the threads would split it elsewhere."""
+    n = t.numel()
+    if t.device.type != "cpu" or grid_length(n) == n:
+        return t.exp2_()
+    return t.copy_(in_vector_body(torch.exp2, t))
+
+
+def grid_length(n: int) -> int:
+    """The least length of at least ``n`` values over which an ATen elementwise loop on CPU computes every value in
+    its vectorised body, whatever the intra-op threads (``torch.get_num_threads()``): a multiple of 64 whose every
+    thread's share is a multiple of 64 too. Without it, from 3 threads up a share may end inside an iteration, and
+    the values there (which depend on the batch's size) round as the scalar loop does: with 7 threads, 3 rows of a
+    batch of 9 plain rows of 32000 came out otherwise than alone (tests/sampling, thread counts)."""
+    return _grid_length(n, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid_length(n: int, threads: int) -> int:
+    m = -(-n // _VECTOR_BODY) * _VECTOR_BODY
+    # ATen's OpenMP split: min(threads, ceil(m / grain)) shares of ceil(m / shares) values each (its native backend
+    # makes shares of max(grain, ceil(m / threads)) values: multiples of 64 wherever these are)
+    while m > _GRAIN and threads > 1 and -(-m // min(threads, -(-m // _GRAIN))) % _VECTOR_BODY:
+        m += _VECTOR_BODY
+    return m
