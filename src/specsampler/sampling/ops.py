@@ -31,7 +31,6 @@ from .filters import _FAR, _clean_top, _scale, _unit_divisor, masked_logits, pro
 from .greedy import greedy_ids
 from .masses import as_weight, scaled_masses
 from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
-from .rounding import exp2_
 
 
 class SampleOutput(NamedTuple):
@@ -349,9 +348,9 @@ def _process_small(x: Tensor, small: tuple[Tensor, ...]) -> Processed | None:
     # a NaN logit makes its row's maximum NaN: past this check the rows hold numbers, and weights in [0, 1]
     if not all(math.isfinite(v) and abs(v) < _FAR for (v,) in tc.tolist()):
         return None  # process() handles rows without mass and rows far from zero (see filters._weights)
-    # bit for bit process()'s weights (elementwise, every value in the vectorised body: V is a multiple of 64),
+    # bit for bit process()'s weights (elementwise, every value in the vectorised body: in_vector_body),
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
-    w = exp2_(xc.sub_(tc)).clamp_(max=1.0)
+    w = in_vector_body(torch.exp2, xc.sub_(tc)).clamp_(max=1.0)
     w, order = torch.sort(w, dim=-1, descending=True, stable=True)
     cum = scaled_masses(w, out=torch.empty_like(w)).double().cumsum_(-1)  # of masses.masses(): weights in [0, 1]
     # a token is kept where the mass before it is below masses.top_p_target, ceil(top_p * Z) (at most Z already:

@@ -62,21 +62,13 @@ def in_vector_body(fn, t: Tensor) -> Tensor:
     if t.device.type != "cpu":
         return fn(t)
     C = t.shape[-1]
-    t = torch.nn.functional.pad(t, (0, -C % _VECTOR_BODY))
+    if C % _VECTOR_BODY or not t.is_contiguous():  # (a contiguous t of whole iterations is read as it is)
+        t = torch.nn.functional.pad(t, (0, -C % _VECTOR_BODY))
     n = t.numel()
     m = grid_length(n)
     if m == n:
         return fn(t)[..., :C]
     return fn(torch.nn.functional.pad(t.reshape(-1), (0, m - n)))[:n].view(t.shape)[..., :C]
-
-
-def exp2_(t: Tensor) -> Tensor:
-    """``t.exp2_()`` for a contiguous ``t`` whose last dim is a multiple of 64 (each row whole iterations of the
-    vectorised loop), computed as :func:`in_vector_body` does where the threads would split it elsewhere."""
-    n = t.numel()
-    if t.device.type != "cpu" or grid_length(n) == n:
-        return t.exp2_()
-    return t.copy_(in_vector_body(torch.exp2, t))
 
 
 def grid_length(n: int) -> int:
