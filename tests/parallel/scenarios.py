@@ -629,6 +629,30 @@ def wide(shard, g):
     return out
 
 
+LARGE_V = 128_256  # a Llama 3 vocabulary
+
+
+def large_vocabulary(shard, g):
+    """Nuclei of tens of thousands of tokens (top-p 0.9 over rows of LARGE_V logits drawn from N(0, 1), temperature
+    0.8, as examples/vocab_parallel.py has them): the token chain's and the sampling's rounds, and whether each gave
+    the one-device tokens."""
+    start, end = shard.start * LARGE_V // V, shard.end * LARGE_V // V
+    s = parallel.VocabShard(start, end - start, LARGE_V, shard.group)
+    B, K = 2, 3
+    x, rng = torch.randn(B, K + 1, LARGE_V, generator=g), _philox(g, B)
+    q = torch.softmax(x[:, :K] / 0.7, -1)
+    drafts = torch.multinomial(q.reshape(-1, LARGE_V), 1, generator=g).view(B, K)
+    params = ss.SamplingParams(temperature=0.8, top_p=0.9)
+    cut = lambda t: t[..., s.start:s.end].contiguous()  # noqa: E731
+    res, chain_calls = _counted(parallel.verify_chain_from_logits, cut(x), drafts, params, draft_probs=cut(q),
+                                method="token", rng=rng, shard=s)
+    ref = ss.verify_chain_from_logits(x, drafts, params, draft_probs=q, method="token", rng=rng)
+    got, sample_calls = _counted(parallel.sample_from_logits, cut(x[:, 0]), params, rng, shard=s)
+    want = ss.sample_from_logits(x[:, 0], params, rng)
+    return [["chain token", _outcome(res) == _outcome(ref), len(chain_calls)],
+            ["sample", got.tokens.tolist() == want.tokens.tolist(), len(sample_calls)]]
+
+
 def wide_auto(shard, g):
     """auto under a bandwidth-only link on rows of WIDE_V ids: its collectives and the shard strategy's, and
     whether it gave the one-device tokens."""
@@ -726,4 +750,5 @@ def strategies(shard, g):
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
              "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
              "rounds": rounds, "settled": settled, "compact": compact, "nuclei": nuclei, "wide": wide,
-             "wide auto": wide_auto, "fallbacks": fallbacks, "strategies": strategies}
+             "large vocabulary": large_vocabulary, "wide auto": wide_auto, "fallbacks": fallbacks,
+             "strategies": strategies}

@@ -142,8 +142,8 @@ ROWS = {"sampled": 14, "sampled_chain": 10 * 5, "sampled_tree": 8 * 8}  # the ro
 
 def test_every_collective_sends_at_most_a_kibibyte_per_row(ranks):
     """Every round sends O(rows) bytes: a row's summary (its maximum, an approximate histogram of 128 bins, a
-    description of its nucleus's edge: 64 sub-interval masses and 32 distinct weights, a draw's window) stays under
-    1 KiB, besides a 16-byte header; that this does not grow with the vocabulary is
+    description of its nucleus's edge: 64 sub-interval masses at these widths and 32 distinct weights, a draw's
+    window) stays under 1 KiB, besides a 16-byte header; that this does not grow with the vocabulary is
     test_rounds_and_bytes_do_not_grow_with_the_vocabulary's."""
     for name, rows in ROWS.items():
         for entry in ranks[0][name]:
@@ -289,12 +289,23 @@ def test_flat_nuclei_and_wide_trees_equal_the_one_device_op(ranks):
     """Rows whose nucleus's edge holds many tokens (their cut described over more rounds), ties, top-p with min-p,
     trees whose nodes have three and four children: the one-device tokens, within the documented rounds at the CI
     size (V = 3001); at full size (V = 32000) the flattest rows hold more than 32 distinct weights in a 1/256 octave
-    on a rank, and each further description (64 times narrower) costs a round."""
+    on a rank, and each further description (nucleus.sub_bins times narrower) costs a round."""
     extra = 0 if scenarios.WIDE_V < 10_000 else 3
     for name, got, want, calls in _same_on_every_rank(ranks, "wide"):
         assert got == want, name
         usual = {"sample": 4, "chain target_only": 4}.get(name, 5 if name.startswith("chain") else 8)
         assert len(calls) <= usual + extra, name
+
+
+def test_nuclei_of_tens_of_thousands_of_tokens_keep_a_chain_within_five_rounds(ranks):
+    """Top-p 0.9 over 128256 logits of N(0, 1) at temperature 0.8: a quarter octave of weight around the nucleus's
+    edge holds thousands of tokens a rank, and a description of 64 sub-intervals left more than 32 distinct weights
+    in the next one (a third description: 6 rounds for a token chain, 5 for sampling); described in sub-intervals
+    sized by the shards' width, the cut settles in the second: token at most 5 rounds, sampling 4, the one-device
+    tokens."""
+    for name, same, rounds in _same_on_every_rank(ranks, "large vocabulary"):
+        assert same, name
+        assert rounds <= (5 if name.startswith("chain") else 4), (name, rounds)
 
 
 def test_a_short_estimate_costs_rounds_never_tokens(ranks):

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..params import RowParams
 from ..sampling.processing import _kinds
 from .draws import WINDOW
-from .nucleus import APPROX_BINS, ENTRIES, SUB_BINS
+from .nucleus import APPROX_BINS, ENTRIES, sub_bins
 from .process import fewest_rounds
 from .shard import VocabShard
 
@@ -91,15 +91,15 @@ def _rounds(*tasks: list[int]) -> list[int]:
     return [_HEAD + sum(t[i] for t in tasks if i < len(t)) for i in range(n)]
 
 
-def _describe(a: int) -> int:
-    return _b(a, 8) * 3 + _b(a * SUB_BINS, 8) + 2 * _b(a * ENTRIES, 4)
+def _describe(a: int, bins: int) -> int:
+    return _b(a, 8) * 3 + _b(a * bins, 8) + 2 * _b(a * ENTRIES, 4)
 
 
 def _draw(n: int) -> int:
     return _b(n, 8) + 2 * _b(n * WINDOW, 8) + _b(n * WINDOW, 4)
 
 
-def _process(rp: RowParams, V: int, rows_reads: Tensor, min_candidates: int = 0) -> tuple[list[int], int]:
+def _process(rp: RowParams, V: int, world: int, rows_reads: Tensor, min_candidates: int = 0) -> tuple[list[int], int]:
     """Bytes per round of :func:`.process.process` of rows with parameters ``rp`` (reads per row ``rows_reads``),
     and the rows drawn across the shards (neither greedy nor top-k). Read on the host."""
     greedy, bounded, nucleus, plain = (t.cpu() for t in _kinds(rp.temperature, rp.top_k, rp.top_p, V, True))
@@ -111,7 +111,8 @@ def _process(rp: RowParams, V: int, rows_reads: Tensor, min_candidates: int = 0)
     nn, reads = int(nucleus.sum()), int(rows_reads[nucleus].sum())
     if nn:
         first = 2 * _b(nn, 8) + _b(nn, 1) + _b(nn * APPROX_BINS, 4) + _b(nn, 4)
-        tasks.append([first, 3 * _b(nn, 8) + 2 * _b(reads, 8) + _describe(nn), _describe(nn)])
+        bins = sub_bins(V, world)
+        tasks.append([first, 3 * _b(nn, 8) + 2 * _b(reads, 8) + _describe(nn, bins), _describe(nn, bins)])
     np_, reads = int(plain.sum()), int(rows_reads[plain].sum())
     if np_:
         tasks.append([_b(np_, 8) + _b(np_, 1), 2 * _b(np_, 8) + _b(reads, 4)])
@@ -154,7 +155,7 @@ def sample_plan(rp: RowParams, greedy: bool, num_logprobs: int, logits: Tensor, 
     gather = _gather(V, world, logits, None if mask is None else mask.expand_as(logits))
     if greedy and num_logprobs <= 1:
         return [_b(B, 8)], gather
-    rounds, dense = _process(rp, V, torch.zeros(B, dtype=torch.int64), num_logprobs)
+    rounds, dense = _process(rp, V, world, torch.zeros(B, dtype=torch.int64), num_logprobs)
     if dense:
         rounds.append(_draw(dense) + (_b(dense * num_logprobs, 4) + _b(dense * num_logprobs, 8)))
     return _rounds(rounds), gather
@@ -172,7 +173,7 @@ def chain_plan(method: str, greedy: bool, rp: RowParams, logits: Tensor, q: Tens
     if greedy:
         return [_b(B * K1, 8)], gather
     reads = (torch.arange(K1) < K).long().repeat(B)
-    rounds, dense = _process(rp, V, reads)
+    rounds, dense = _process(rp, V, world, reads)
     rounds[0] += _b(B * K, 4) + _b(1, 1) if q is not None else 0  # the drafts' q, and whether any is bad
     C = _held_width(rp, V, world)
     if C and K and method in ("token", "block"):  # walks._held_chain: the residuals' draft rows at the candidates
@@ -202,9 +203,9 @@ def tree_plan(method: str, sampling: str, greedy: bool, rp: RowParams, tree, log
     rp = RowParams(*(f.cpu()[present] for f in (rp.temperature, rp.top_k, rp.top_p, rp.min_p)), rp.shared)
     children = _children(tree)
     if method == "target_only":
-        rounds, dense = _process(rp, V, torch.zeros(int(present.sum()), dtype=torch.int64))
+        rounds, dense = _process(rp, V, world, torch.zeros(int(present.sum()), dtype=torch.int64))
         return _rounds(rounds + ([_draw(dense)] if dense else [])), gather
-    rounds, _ = _process(rp, V, (children > 0).long().reshape(-1)[present])
+    rounds, _ = _process(rp, V, world, (children > 0).long().reshape(-1)[present])
     kids = int((depth > 0).sum())
     rounds[0] += _b(kids, 4) + _b(1, 1)  # the children's q, and whether any is bad
     wo = sampling == "without_replacement"

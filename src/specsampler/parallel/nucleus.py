@@ -6,7 +6,8 @@ mass reaches ``ceil(top_p * Z)``) found in usually two rounds, then min-p and th
   approximate histogram of mass by quarters of an octave of weight, on bins every rank shares (by ``x * c``): every
   rank then estimates the weight interval where the nucleus ends.
 - Round 2: each rank's exact mass (all weights, and those min-p keeps), and a description of the interval: the exact
-  mass above it, a histogram of its mass in 64 sub-intervals of the weights' bit patterns, and its distinct weights
+  mass above it, a histogram of its mass in sub-intervals of the weights' bit patterns (more where the
+  shards are wider: :func:`sub_bins`), and its distinct weights
   with their counts (up to 32). Where no rank holds more distinct weights there, every rank finds the cut exactly
   (the crossing weight, and how many of the tokens at it are kept, by id); otherwise the sub-interval holding the
   crossing is described the same way in the next round. An estimate that missed (the crossing outside the interval)
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..params import RowParams
@@ -34,12 +36,23 @@ from .shard import VocabShard
 
 MIN_KEY = 0x2F800000  # the bit pattern of 2**-32: lighter weights have no mass
 END_KEY = 0x3F800001  # one past the pattern of 1.0, the largest weight
-SUB_BINS = 64  # sub-intervals described per round
+SUB_BINS = (64, 512)  # sub-intervals described per round: the fewest and the most (sub_bins)
 ENTRIES = 32  # distinct weights a rank sends per round
 APPROX_BINS = 128  # round 1's histogram: 32 octaves below the maximum,
 PER_OCTAVE = 4  # in quarters
 _MARGIN = 1e-4  # of the row's mass, around the estimated crossing
 _LOG2E = math.log2(math.e)
+
+
+def sub_bins(vocab_size: int, world: int) -> int:
+    """Sub-intervals a description divides its interval into, from the widest shard of an even split (the same on
+    every rank, and in :mod:`.cost`'s plans): a power of two in :data:`SUB_BINS`, about one per 128 ids a rank
+    holds. The interval round 1's histogram estimates holds a few percent of a wide nucleus's tokens (a quarter of
+    an octave of weight), so that the next description's sub-interval holds at most :data:`ENTRIES` distinct weights
+    a rank and settles the cut: three rounds, not four, for the nuclei of tens of thousands of tokens of a
+    128256-token vocabulary at world size 2 (``examples/vocab_parallel.py``)."""
+    want = -(-vocab_size // world) // 128
+    return min(max(SUB_BINS[0], 1 << max(0, want - 1).bit_length()), SUB_BINS[1])
 
 
 def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Tensor]) -> Task[Rows]:
@@ -62,10 +75,11 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     first = [m.sum(-1), *_over(w, key, m, thr, rp), key_x, tie_x]
     cut = _Cut(r, x.device)
     active = torch.arange(r, device=x.device)
+    bins = sub_bins(shard.vocab_size, dist.get_world_size(shard.group))
     while active.numel():
         every = active.numel() == r  # then the rows as they are, not copies
         got = yield first + _describe(key if every else key[active], m if every else m[active], lo[active],
-                                      hi[active])
+                                      hi[active], bins)
         if first:
             total, min_mass, min_count, key_x, tie_x = got.parts[:5]
             target = top_p_target(rp.top_p, total.sum(0))
@@ -159,11 +173,11 @@ def _key(w: Tensor) -> Tensor:
     return w.clamp(0.0, 1.0).float().view(torch.int32).long()
 
 
-def _describe(key: Tensor, m: Tensor, lo: Tensor, hi: Tensor) -> list[Tensor]:
+def _describe(key: Tensor, m: Tensor, lo: Tensor, hi: Tensor, bins: int) -> list[Tensor]:
     """This shard's view of the interval ``[lo, hi)`` of bit patterns (int64 ``[a]``) of rows ``key`` (int32 ``[a,
-    size]``) with masses ``m``: the mass and count above it (``[a]``), its mass in :data:`SUB_BINS` sub-intervals
-    (float64 ``[a, SUB_BINS]``), its distinct patterns, largest first (int32 ``[a, ENTRIES]``, -1 past them) with their
-    counts, and how many distinct patterns it holds."""
+    size]``) with masses ``m``: the mass and count above it (``[a]``), its mass in ``bins`` sub-intervals (float64
+    ``[a, bins]``), its distinct patterns, largest first (int32 ``[a, ENTRIES]``, -1 past them) with their counts, and
+    how many distinct patterns it holds."""
     a = key.shape[0]
     b, col = (key >= lo.int()[:, None]).nonzero(as_tuple=True)  # the interval and above: the nucleus's side, few
     k, mk = key[b, col].long(), m[b, col]
@@ -172,8 +186,8 @@ def _describe(key: Tensor, m: Tensor, lo: Tensor, hi: Tensor) -> list[Tensor]:
     above_n = torch.bincount(b[up], minlength=a)
     inside = ~up & (k >= MIN_KEY)
     b, k, mk = b[inside], k[inside], mk[inside]
-    sub = torch.div((k - lo[b]) * SUB_BINS, (hi - lo)[b], rounding_mode="floor")
-    hist = torch.zeros(a, SUB_BINS, dtype=torch.float64, device=key.device).index_put_((b, sub), mk, accumulate=True)
+    sub = torch.div((k - lo[b]) * bins, (hi - lo)[b], rounding_mode="floor")
+    hist = torch.zeros(a, bins, dtype=torch.float64, device=key.device).index_put_((b, sub), mk, accumulate=True)
     uniq, counts = torch.unique(b * END_KEY + (END_KEY - k), sorted=True, return_counts=True)  # row, pattern desc
     ub = torch.div(uniq, END_KEY, rounding_mode="floor")
     n_distinct = torch.bincount(ub, minlength=a)
@@ -225,11 +239,12 @@ class _Cut:
         lo, hi = lo.clone(), hi.clone()
         a_lo, a_hi = lo[active], hi[active]
         # a sub-interval: the one where the mass from the top reaches the target
+        bins = hist.shape[-1]
         from_top = hist.sum(0).flip(-1).cumsum(-1)
-        s = SUB_BINS - 1 - (A[:, None] + from_top < t[:, None]).sum(-1).clamp(max=SUB_BINS - 1)
+        s = bins - 1 - (A[:, None] + from_top < t[:, None]).sum(-1).clamp(max=bins - 1)
         width = a_hi - a_lo
-        sub_lo = a_lo + torch.div(s * width + SUB_BINS - 1, SUB_BINS, rounding_mode="floor")
-        sub_hi = a_lo + torch.div((s + 1) * width + SUB_BINS - 1, SUB_BINS, rounding_mode="floor")
+        sub_lo = a_lo + torch.div(s * width + bins - 1, bins, rounding_mode="floor")
+        sub_hi = a_lo + torch.div((s + 1) * width + bins - 1, bins, rounding_mode="floor")
         new_lo = torch.where(higher, a_hi, torch.where(lower, MIN_KEY, sub_lo))
         new_hi = torch.where(higher, END_KEY, torch.where(lower, a_lo, sub_hi))
         lo[active], hi[active] = new_lo, new_hi
