@@ -32,6 +32,12 @@ _FIELDS = {
 }
 
 
+# the least positive temperature used: below it (subnormal) log2(e) / T overflows float32, and every weight would be
+# NaN; at it the weights are 1 at the row's largest logit and 0 elsewhere, the limit of T -> 0+
+MIN_TEMPERATURE = 2.0**-126
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 def _float32(v: float) -> float:
     """``v`` rounded to float32 (inf past its range), as ``torch.tensor(float(v))`` holds it (a tensor per check
     cost ~40 us a SamplingParams)."""
@@ -39,12 +45,31 @@ def _float32(v: float) -> float:
         return float(np.float32(v))
 
 
+def check_field(op: str, label: str, name: str, v):
+    """Field ``name`` of :class:`SamplingParams` (errors naming it ``label``) checked as far as it can be without
+    reading a tensor's values; returns it as kept (an integer past int64 as its nearer end, which means the same)."""
+    kind, _, _, want = _FIELDS[name]
+    if isinstance(v, Tensor):
+        check_tensor(op, label, v, kind=kind, ndim=(0, 1))
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(op, label, "a number or a 1-D tensor [B]", repr(v))
+    if kind == "int":
+        if not float(v).is_integer():
+            fail(op, label, "an integer", repr(v))
+        return min(max(int(v), _INT64[0]), _INT64[1])  # top-k past int64: off either way; fits the rows' tensors
+    if not math.isfinite(v) or not _WITHIN[name](_float32(v)):
+        fail(op, label, want, v)
+    return v
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target distribution is processed from logits; each field a scalar or a 1-D tensor ``[B]``.
 
     Args:
-        temperature: ``>= 0``; ``0`` means greedy (argmax, ties to the lowest id).
+        temperature: ``>= 0``; ``0`` means greedy (argmax, ties to the lowest id); below ``2**-126`` (subnormal) it
+            acts as ``2**-126``: weight 1 at the row's largest logits, 0 elsewhere.
         top_k: keep the ``k`` most likely tokens (ties to the lower id); ``<= 0`` or ``>= V`` is off.
         top_p: in ``(0, 1]``; keep the smallest prefix of the (probability desc, id asc) order,
             on the top-k-renormalised distribution, whose mass reaches ``top_p``; ``1`` is off.
@@ -64,34 +89,31 @@ class SamplingParams:
     min_p: float | Tensor = 0.0
 
     def __post_init__(self):
-        for name, (kind, _, _, want) in _FIELDS.items():
-            v = getattr(self, name)
-            full_name = f"SamplingParams.{name}"
-            if isinstance(v, Tensor):
-                check_tensor("SamplingParams", full_name, v, kind=kind, ndim=(0, 1))
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                fail("SamplingParams", full_name, "a number or a 1-D tensor [B]", repr(v))
-            if kind == "int" and not float(v).is_integer():
-                fail("SamplingParams", full_name, "an integer", repr(v))
-            if kind == "float" and (not math.isfinite(v) or not _WITHIN[name](_float32(v))):
-                fail("SamplingParams", full_name, want, v)
+        for name in _FIELDS:
+            v = check_field("SamplingParams", f"SamplingParams.{name}", name, getattr(self, name))
+            object.__setattr__(self, name, v)
 
-    def rows(self, op: str, batch: int, per_request: int, device: torch.device, full: bool) -> RowParams:
-        """The parameters of each of ``batch * per_request`` rows (request-major), validated. A parameter given as
-        a scalar is a tensor shared by every call (:mod:`specsampler.constants`): read it, never write to it."""
+    def rows(self, op: str, batch: int, per_request: int, device: torch.device, full: bool,
+             label: str = "SamplingParams.") -> RowParams:
+        """The parameters of each of ``batch * per_request`` rows (request-major), validated (a field's errors name
+        it ``label + name``). A parameter given as a scalar is a tensor shared by every call
+        (:mod:`specsampler.constants`): read it, never write to it."""
         out = {}
         for name, (_, dtype, bad, want) in _FIELDS.items():
             v = getattr(self, name)
-            full_name = f"SamplingParams.{name}"
+            full_name = label + name
             if isinstance(v, Tensor):
                 if v.dim() == 1:
                     check_shape(op, full_name, v, (batch,), "[B]")
                 if bad is not None and values_checkable(v, full):
                     check_no_bad(op, full_name, bad(v.to(dtype)), v, want)
                 v = v.to(device=device, dtype=dtype).expand(batch)
+                if name == "temperature":
+                    v = torch.where((v > 0) & (v < MIN_TEMPERATURE), MIN_TEMPERATURE, v)
                 out[name] = v.repeat_interleave(per_request) if per_request != 1 else v.contiguous()
             else:  # made once per (value, rows, device): no launch per call on a GPU
+                if name == "temperature" and 0 < v < MIN_TEMPERATURE:
+                    v = MIN_TEMPERATURE
                 out[name] = constants.full(batch * per_request, v, dtype, device)
         scalars = not any(isinstance(getattr(self, name), Tensor) for name in _FIELDS)
         return RowParams(**out, shared=self if scalars else None)

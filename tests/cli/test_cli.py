@@ -69,3 +69,18 @@ def test_demo_takes_local_model_directories(capsys):
     assert "tree traversal" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--draft needs --target"):
         main(["demo", "--draft", str(PAIR_DIR / "draft")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--top-p", "1.5"], "specsampler demo: error: SamplingParams: SamplingParams.top_p: expected a value in"),
+    (["warmup", "--vocab-size", "256", "--device", "cpu"],
+     "specsampler warmup: error: warmup: device: expected a device whose ops run the Triton kernels"),
+])
+def test_bad_argument_values_are_usage_errors_not_tracebacks(argv, message, capsys, monkeypatch):
+    """A value the library rejects (ValueError naming it) ends the command with status 2 and one line, as argparse's
+    own errors do; warmup on a device whose ops compile nothing says so (it raised Triton's or CUDA's errors)."""
+    monkeypatch.delenv("SPECSAMPLER_BACKEND", raising=False)
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err

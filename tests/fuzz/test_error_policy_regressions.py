@@ -187,3 +187,68 @@ def test_finite_logits_far_from_zero_keep_their_distribution(backend):
                                    torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]))
         out = ss.sample_from_logits(logits, params, ss.Philox(torch.arange(3)), num_logprobs=1)
         assert out.tokens.tolist() == [0, 0, 2] and bool((out.logprobs == 0).all())
+
+
+def test_nan_uniforms_given_by_the_caller_draw_tokens_in_range(backend):
+    """A NaN in Uniforms made the draws' target NaN: token V (sample, chains, trees) or an index error
+    (sample_from_logits). NaN is read as 0: the first token with mass."""
+    nan = torch.full((2, 3), float("nan"))
+    rng = ss.Uniforms(sample=nan, accept=nan)
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0]]).repeat(2, 1)
+    assert ss.sample(p, rng=rng).tolist() == [1, 1]
+    assert ss.sample_from_logits(torch.log(p), rng=rng).tokens.tolist() == [1, 1]
+    chain = ss.verify_chain(p[:, None].repeat(1, 3, 1), torch.tensor([[2, 2], [1, 3]]), p[:, None].repeat(1, 2, 1),
+                            method="token", rng=rng)
+    assert ((chain.tokens >= -1) & (chain.tokens < 4)).all() and (chain.tokens[:, 0] >= 0).all()
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0]] * 2))
+    res = ss.verify_tree(p[:, None].repeat(1, 3, 1), torch.tensor([[0, 2, 1]] * 2), tree, p[:, None].repeat(1, 3, 1),
+                         method="rrs", rng=rng)
+    assert ((res.tokens >= -1) & (res.tokens < 4)).all() and (res.tokens[:, 0] >= 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, torch.tensor([1e-40, 0.0])])
+def test_a_subnormal_temperature_samples_the_largest_logit(backend, temperature):
+    """log2(e) / T overflowed float32 below 2**-126: every weight NaN, token 0 with log-probability -inf. Such a
+    temperature acts as 2**-126, the limit T -> 0+: the largest logit, log-probability 0."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 16, generator=g)
+    params = ss.SamplingParams(temperature=temperature)
+    out = ss.sample_from_logits(logits, params, ss.Philox(torch.arange(2)))
+    assert out.tokens.tolist() == logits.argmax(-1).tolist()
+    assert out.logprobs.tolist() == [0.0, 0.0]
+    if backend == "torch":
+        probs = ss.logits_to_probs(logits, params)
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 16).float())
+
+
+def test_a_top_k_past_int64_is_off():
+    """SamplingParams(top_k=2**63) was accepted, then every op failed converting it to int64."""
+    g = torch.Generator().manual_seed(6)
+    logits, probs = torch.randn(3, 20, generator=g), torch.rand(3, 20, generator=g)
+    for k in (2**63, 2**70):
+        out = ss.sample_from_logits(logits, ss.SamplingParams(top_k=k), ss.Philox(torch.arange(3)))
+        assert out.tokens.tolist() == ss.sample_from_logits(logits, None, ss.Philox(torch.arange(3))).tokens.tolist()
+        assert torch.allclose(ss.top_k_renorm(probs, k), probs / probs.sum(-1, keepdim=True))
+
+
+def test_more_log_probabilities_than_tokens_is_a_value_error():
+    """num_logprobs had no upper bound: 2**40 tried to allocate terabytes."""
+    with pytest.raises(ss.ValidationError, match=r"sample_from_logits: num_logprobs: expected an int in \[0, V = 50\], "
+                                                 r"got 1099511627776"):
+        ss.sample_from_logits(torch.randn(2, 50), num_logprobs=2**40)
+    assert ss.sample_from_logits(torch.randn(2, 50), num_logprobs=50).top_token_ids.shape == (2, 50)
+
+
+@pytest.mark.parametrize("op, name, bad", [(ss.top_p_renorm, "top_p", 1.5), (ss.top_k_renorm, "top_k", 2.5),
+                                           (ss.min_p_renorm, "min_p", -1.0),
+                                           (ss.top_p_renorm, "top_p", torch.tensor([0.5, 1.5]))])
+def test_the_filters_errors_name_the_filter_and_its_argument(op, name, bad):
+    """They named SamplingParams and its field, which the caller never wrote."""
+    with pytest.raises(ss.ValidationError, match=rf"^{op.__name__}: {name}: expected .*, got"):
+        op(torch.rand(2, 8), bad, validate="full")
+
+
+def test_a_vocab_mask_whose_values_cannot_be_read_is_not_called_a_shape_error():
+    with pytest.raises(ss.ValidationError, match=r"vocab_mask: expected a tensor whose values can be read on logits' "
+                                                 r"device cpu, got one on meta"):
+        ss.sample_from_logits(torch.randn(2, 50), vocab_mask=torch.ones(2, 50, dtype=torch.bool, device="meta"))

@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, help="compiling processes (default: one per core)")
     p.set_defaults(func=warmup)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad values of the arguments (the library's errors name them): a usage error
+        parser.exit(2, f"specsampler {args.command}: error: {e}\n")
 
 

@@ -177,7 +177,14 @@ def warmup(vocab_size: int, dtype: torch.dtype = torch.float32, device: str | to
     per launch: ``op``, ``method``, ``variant``, ``seconds`` (this process's time for it: compile or load, and
     the launch).
     """
+    from . import use_triton
+
     dev = torch.device(device)
+    _check(vocab_size, dtype, methods, masks)
+    if (dev.type == "cuda" and not torch.cuda.is_available()) or not use_triton(dev):
+        raise ValueError(f"warmup: device: expected a device whose ops run the Triton kernels (a CUDA device; CPU "
+                         f"tensors only with SPECSAMPLER_BACKEND=triton and TRITON_INTERPRET=1), got {dev}"
+                         f"{'' if torch.cuda.is_available() else ' (no CUDA device here)'}")
     todo = launches(vocab_size, dtype, dev, methods, masks=masks, draft_dtype=draft_dtype)
     workers = min(os.cpu_count() or 1, len(todo)) if workers is None else workers
     records = [_timed(todo[0], dev)]

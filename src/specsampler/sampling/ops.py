@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import constants
 from ..kernels import use_triton
-from ..params import RowParams, SamplingParams
+from ..params import RowParams, SamplingParams, check_field
 from ..rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from ..validation import (
     check_logits_values,
@@ -80,7 +80,12 @@ def logit_inputs(op, logits, params, vocab_mask, full,
     if vocab_mask is not None:
         check_tensor(op, "vocab_mask", vocab_mask, kind="bool")
         try:
-            mask = vocab_mask.to(logits.device).expand(logits.shape)
+            mask = vocab_mask.to(logits.device)
+        except (RuntimeError, NotImplementedError):  # e.g. a meta tensor: no values to copy
+            fail(op, "vocab_mask", f"a tensor whose values can be read on logits' device {logits.device}",
+                 f"one on {vocab_mask.device}")
+        try:
+            mask = mask.expand(logits.shape)
         except RuntimeError:
             fail(op, "vocab_mask", f"a shape broadcastable to logits {shape_str(logits.shape)}",
                  shape_str(vocab_mask.shape))
@@ -128,12 +133,15 @@ def logits_to_probs(
     return process(x, rp, logits=True).dense().reshape(logits.shape)
 
 
-def _renorm(op: str, probs: Tensor, params: SamplingParams, validate: str) -> Tensor:
+def _renorm(op: str, probs: Tensor, name: str, value, validate: str) -> Tensor:
+    """One filter (``name``: top_k, top_p or min_p, its argument ``value``) over probability rows; errors name the op
+    and the argument."""
+    params = SamplingParams(**{name: check_field(op, name, name, value)})
     full = check_mode(op, validate)
     B, M, V = _leading(op, "probs", probs)
     if full:
         check_probs_values(op, "probs", probs)
-    rp = params.rows(op, B, M, probs.device, full)
+    rp = params.rows(op, B, M, probs.device, full, label="")
     return process(probs.reshape(-1, V).float(), rp, logits=False).dense().reshape(probs.shape)
 
 
@@ -144,7 +152,7 @@ def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structu
     probs: float ``[B, ..., V]`` (need not be normalised); top_k: int or int tensor ``[B]``,
     ``<= 0`` or ``>= V`` is off. Returns float32 ``[B, ..., V]``.
     """
-    return _renorm("top_k_renorm", probs, SamplingParams(top_k=top_k), validate)
+    return _renorm("top_k_renorm", probs, "top_k", top_k, validate)
 
 
 @torch.no_grad()
@@ -154,7 +162,7 @@ def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "struc
     probs: float ``[B, ..., V]``; top_p: float in (0, 1] or float tensor ``[B]``.
     Returns float32 ``[B, ..., V]``, renormalised.
     """
-    return _renorm("top_p_renorm", probs, SamplingParams(top_p=top_p), validate)
+    return _renorm("top_p_renorm", probs, "top_p", top_p, validate)
 
 
 @torch.no_grad()
@@ -164,7 +172,7 @@ def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "struc
     probs: float ``[B, ..., V]``; min_p: float in [0, 1] or float tensor ``[B]``.
     Returns float32 ``[B, ..., V]``.
     """
-    return _renorm("min_p_renorm", probs, SamplingParams(min_p=min_p), validate)
+    return _renorm("min_p_renorm", probs, "min_p", min_p, validate)
 
 
 @torch.no_grad()
@@ -230,7 +238,7 @@ def sample_from_logits(
         params: :class:`SamplingParams`, scalars or per request ``[B]``; temperature 0 = greedy.
         rng: ``None``, a ``torch.Generator`` or :class:`Philox`.
         vocab_mask: bool broadcastable to ``[B, ..., V]``, True = allowed.
-        num_logprobs: N >= 0; also return the N most likely tokens and their log-probabilities.
+        num_logprobs: N in ``[0, V]``; also return the N most likely tokens and their log-probabilities.
     Returns:
         :class:`SampleOutput`.
     """
@@ -250,6 +258,8 @@ def sample_from_logits(
         tokens, logprobs = ops.sample_from_logits(logits.reshape(-1, V), rp.temperature, rp.top_k, rp.top_p,
                                                   rp.min_p, mask, seed, offset, index, u)
         return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
+    if num_logprobs > logits.shape[-1]:
+        fail(op, "num_logprobs", f"an int in [0, V = {logits.shape[-1]}]", num_logprobs)
     x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
     R, V = x.shape
     on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
