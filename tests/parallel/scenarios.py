@@ -697,7 +697,8 @@ def fallbacks(shard, g):
     params, rng = ss.SamplingParams(top_p=torch.linspace(0.2, 0.95, 8)), _philox(g, 8)
     estimate = nucleus._estimated_interval
     for name, wrong in (("above", nucleus.END_KEY - 1), ("below", nucleus.MIN_KEY)):
-        nucleus._estimated_interval = lambda *args, k=wrong: (torch.full((8,), k), torch.full((8,), k + 1))
+        nucleus._estimated_interval = lambda *args, k=wrong: (torch.full((8,), k), torch.full((8,), k + 1),
+                                                              torch.zeros(1, 8, dtype=torch.float64))
         try:
             res, calls = _counted(parallel.sample_from_logits, _cut(x, shard), params, rng, shard=shard)
         finally:

@@ -271,7 +271,8 @@ def test_the_cost_model_plans_the_rounds_and_bytes_the_shard_path_sends(ranks):
     """The bytes each round sends, as cost.*_plan predict them: exactly, except where the shard path took fewer
     rounds than planned (a top-p row's nucleus settled in one description, a chain with no rejection, a tree walk
     settled before its last residual round): then every round it took matches a planned one, in order; the plan
-    is the most a call takes (trees: every residual round)."""
+    is the most a call takes (trees: every residual round; top-p rows: descriptions of the most sub-intervals, which
+    a call uses only where its intervals hold many tokens)."""
     for op, kind, top_p, info, calls, plan, _ in ranks[0]["rounds"]:
         sent = [b for _, b in calls]
         if op.endswith("without_replacement") and kind in ("top-k", "top-k, top-p"):
@@ -282,14 +283,14 @@ def test_the_cost_model_plans_the_rounds_and_bytes_the_shard_path_sends(ranks):
             assert sent == plan, (op, kind)
         else:
             it = iter(plan)
-            assert all(b in it for b in sent), (op, kind, sent, plan)  # a subsequence of the plan
+            assert all(any(b <= p for p in it) for b in sent), (op, kind, sent, plan)  # within a subsequence of it
 
 
 def test_flat_nuclei_and_wide_trees_equal_the_one_device_op(ranks):
     """Rows whose nucleus's edge holds many tokens (their cut described over more rounds), ties, top-p with min-p,
     trees whose nodes have three and four children: the one-device tokens, within the documented rounds at the CI
     size (V = 3001); at full size (V = 32000) the flattest rows hold more than 32 distinct weights in a 1/256 octave
-    on a rank, and each further description (nucleus.sub_bins times narrower) costs a round."""
+    on a rank, and each further description (64 or more times narrower) costs a round."""
     extra = 0 if scenarios.WIDE_V < 10_000 else 3
     for name, got, want, calls in _same_on_every_rank(ranks, "wide"):
         assert got == want, name
@@ -300,9 +301,9 @@ def test_flat_nuclei_and_wide_trees_equal_the_one_device_op(ranks):
 def test_nuclei_of_tens_of_thousands_of_tokens_keep_a_chain_within_five_rounds(ranks):
     """Top-p 0.9 over 128256 logits of N(0, 1) at temperature 0.8: a quarter octave of weight around the nucleus's
     edge holds thousands of tokens a rank, and a description of 64 sub-intervals left more than 32 distinct weights
-    in the next one (a third description: 6 rounds for a token chain, 5 for sampling); described in sub-intervals
-    sized by the shards' width, the cut settles in the second: token at most 5 rounds, sampling 4, the one-device
-    tokens."""
+    in the next one (a third description: 6 rounds for a token chain, 5 for sampling); described in as many
+    sub-intervals as round 1's bound on those tokens asks (up to one per 128 ids of the shards), the cut settles in
+    the second: token at most 5 rounds, sampling 4, the one-device tokens."""
     for name, same, rounds in _same_on_every_rank(ranks, "large vocabulary"):
         assert same, name
         assert rounds <= (5 if name.startswith("chain") else 4), (name, rounds)

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..params import RowParams
 from ..sampling.processing import _kinds
 from .draws import WINDOW
-from .nucleus import APPROX_BINS, ENTRIES, sub_bins
+from .nucleus import APPROX_BINS, ENTRIES, most_sub_bins
 from .process import fewest_rounds
 from .shard import VocabShard
 
@@ -111,7 +111,7 @@ def _process(rp: RowParams, V: int, world: int, rows_reads: Tensor, min_candidat
     nn, reads = int(nucleus.sum()), int(rows_reads[nucleus].sum())
     if nn:
         first = 2 * _b(nn, 8) + _b(nn, 1) + _b(nn * APPROX_BINS, 4) + _b(nn, 4)
-        bins = sub_bins(V, world)
+        bins = most_sub_bins(V, world)  # the most a description sends
         tasks.append([first, 3 * _b(nn, 8) + 2 * _b(reads, 8) + _describe(nn, bins), _describe(nn, bins)])
     np_, reads = int(plain.sum()), int(rows_reads[plain].sum())
     if np_:

@@ -6,8 +6,8 @@ mass reaches ``ceil(top_p * Z)``) found in usually two rounds, then min-p and th
   approximate histogram of mass by quarters of an octave of weight, on bins every rank shares (by ``x * c``): every
   rank then estimates the weight interval where the nucleus ends.
 - Round 2: each rank's exact mass (all weights, and those min-p keeps), and a description of the interval: the exact
-  mass above it, a histogram of its mass in sub-intervals of the weights' bit patterns (more where the
-  shards are wider: :func:`sub_bins`), and its distinct weights
+  mass above it, a histogram of its mass in sub-intervals of the weights' bit patterns (more where round 1 bounds
+  the interval's tokens higher: :func:`_sub_bins`), and its distinct weights
   with their counts (up to 32). Where no rank holds more distinct weights there, every rank finds the cut exactly
   (the crossing weight, and how many of the tokens at it are kept, by id); otherwise the sub-interval holding the
   crossing is described the same way in the next round. An estimate that missed (the crossing outside the interval)
@@ -36,7 +36,8 @@ from .shard import VocabShard
 
 MIN_KEY = 0x2F800000  # the bit pattern of 2**-32: lighter weights have no mass
 END_KEY = 0x3F800001  # one past the pattern of 1.0, the largest weight
-SUB_BINS = (64, 512)  # sub-intervals described per round: the fewest and the most (sub_bins)
+SUB_BINS = (64, 512)  # sub-intervals described per round: the fewest and the most (most_sub_bins)
+_PER_SUB_BIN = 16  # tokens a rank in a sub-interval the description aims at (ENTRIES settle the next one)
 ENTRIES = 32  # distinct weights a rank sends per round
 APPROX_BINS = 128  # round 1's histogram: 32 octaves below the maximum,
 PER_OCTAVE = 4  # in quarters
@@ -44,15 +45,26 @@ _MARGIN = 1e-4  # of the row's mass, around the estimated crossing
 _LOG2E = math.log2(math.e)
 
 
-def sub_bins(vocab_size: int, world: int) -> int:
-    """Sub-intervals a description divides its interval into, from the widest shard of an even split (the same on
-    every rank, and in :mod:`.cost`'s plans): a power of two in :data:`SUB_BINS`, about one per 128 ids a rank
-    holds. The interval round 1's histogram estimates holds a few percent of a wide nucleus's tokens (a quarter of
-    an octave of weight), so that the next description's sub-interval holds at most :data:`ENTRIES` distinct weights
-    a rank and settles the cut: three rounds, not four, for the nuclei of tens of thousands of tokens of a
-    128256-token vocabulary at world size 2 (``examples/vocab_parallel.py``)."""
+def most_sub_bins(vocab_size: int, world: int) -> int:
+    """The most sub-intervals a description divides its interval into (what :mod:`.cost` plans), from the widest
+    shard of an even split: a power of two in :data:`SUB_BINS`, about one per 128 ids a rank holds (the interval
+    round 1 estimates, a quarter of an octave of weight, holds a few percent of a wide nucleus's tokens)."""
     want = -(-vocab_size // world) // 128
     return min(max(SUB_BINS[0], 1 << max(0, want - 1).bit_length()), SUB_BINS[1])
+
+
+def _sub_bins(count: Tensor, most: int) -> int:
+    """Sub-intervals for a call's descriptions, from round 1's bound on the tokens a rank holds in each row's
+    interval (float64 ``[world, r]``, the same on every rank): the fewest powers of two leaving about
+    :data:`_PER_SUB_BIN` of them in a sub-interval (at most ``most``), so that the description after the first
+    holds at most :data:`ENTRIES` distinct weights a rank and settles the cut: three rounds, not four, for the nuclei
+    of tens of thousands of tokens of a 128256-token vocabulary at world size 2 (``examples/vocab_parallel.py``),
+    and no more bytes than 64 sub-intervals where the interval holds few tokens."""
+    most_count = float(count.max()) if count.numel() else 0.0
+    if not math.isfinite(most_count):  # a row whose interval is not an estimate's
+        return most
+    want = int(most_count) // _PER_SUB_BIN
+    return min(max(SUB_BINS[0], 1 << max(0, want - 1).bit_length()), most)
 
 
 def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Tensor]) -> Task[Rows]:
@@ -65,7 +77,8 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     local_top = decode(keys)[1] if size else x.new_full((r,), float("-inf"))
     got = yield [keys, x.isnan().any(-1), *_approx_histogram(x, c, local_top)]
     _, top = global_top(got.parts[0], got.parts[1])
-    lo, hi = _estimated_interval(got, top, c, rp.top_p)
+    lo, hi, count = _estimated_interval(got, top, c, rp.top_p)
+    bins = _sub_bins(count, most_sub_bins(shard.vocab_size, dist.get_world_size(shard.group)))
     w = _weights(x, top[:, None], rp.temperature, True, shared=rp.shared is not None)
     key, m = w.view(torch.int32), masses(w)
     # min-p: the largest weight is 1 where the row has mass (exp2(0) at its maximum)
@@ -75,7 +88,6 @@ def nucleus(x: Tensor, rp: RowParams, shard: VocabShard, reads: tuple[Tensor, Te
     first = [m.sum(-1), *_over(w, key, m, thr, rp), key_x, tie_x]
     cut = _Cut(r, x.device)
     active = torch.arange(r, device=x.device)
-    bins = sub_bins(shard.vocab_size, dist.get_world_size(shard.group))
     while active.numel():
         every = active.numel() == r  # then the rows as they are, not copies
         got = yield first + _describe(key if every else key[active], m if every else m[active], lo[active],
@@ -143,8 +155,9 @@ def _approx_histogram(x: Tensor, c: Tensor, top: Tensor) -> list[Tensor]:
     return [hist[:, :APPROX_BINS].float(), top_bin, tc]
 
 
-def _estimated_interval(got: Gathered, top: Tensor, c: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
-    """The weights' bit patterns ``[lo, hi)`` (int64 ``[r]``) where round 1's histograms put the nucleus's end."""
+def _estimated_interval(got: Gathered, top: Tensor, c: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The weights' bit patterns ``[lo, hi)`` (int64 ``[r]``) where round 1's histograms put the nucleus's end, and a
+    bound on the tokens each rank holds there (float64 ``[world, r]``: a bin's mass over its least weight)."""
     hist, top_bin, tc = got.parts[2:5]  # [world, r, 128], [world, r], [world, r]
     tc_g = (top * c[:, 0]).double()
     bin_g = torch.floor(tc_g * PER_OCTAVE).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).long()
@@ -152,8 +165,8 @@ def _estimated_interval(got: Gathered, top: Tensor, c: Tensor, top_p: Tensor) ->
     at = torch.arange(APPROX_BINS, device=top.device) - shift[..., None]
     scale = torch.exp2(tc.double() - tc_g[None]).nan_to_num(nan=0.0, posinf=0.0)
     inside = (at >= 0) & (at < APPROX_BINS)
-    g = torch.where(inside, hist.double().gather(-1, at.clamp(0, APPROX_BINS - 1)), 0.0) * scale[..., None]
-    g = g.sum(0)  # [r, 128] from the maximum's bin down
+    per_rank = torch.where(inside, hist.double().gather(-1, at.clamp(0, APPROX_BINS - 1)), 0.0) * scale[..., None]
+    g = per_rank.sum(0)  # [r, 128] from the maximum's bin down
     z = g.sum(-1)
     target = top_p.double() * z
     through = g.cumsum(-1)
@@ -165,7 +178,12 @@ def _estimated_interval(got: Gathered, top: Tensor, c: Tensor, top_p: Tensor) ->
     lo_w = torch.exp2((bin_g - j_hi).double() / PER_OCTAVE - tc_g) * (1 - 1e-5)
     hi = torch.where(found & (j_lo > 0) & (hi_w < 1), _key(hi_w) + 1, END_KEY)
     lo = torch.where(found & (j_hi < APPROX_BINS - 1), _key(lo_w).clamp(min=MIN_KEY), MIN_KEY)
-    return lo, torch.maximum(hi, lo + 1)
+    j = torch.arange(APPROX_BINS, device=top.device)
+    least = torch.exp2((bin_g[:, None] - j).double() / PER_OCTAVE - tc_g[:, None])  # [r, 128]: each bin's least weight
+    within = found[:, None] & (j >= j_lo[:, None]) & (j <= j_hi[:, None])  # an interval from no estimate: unbounded
+    count = torch.where(within, per_rank / least, 0.0).nan_to_num(nan=0.0, posinf=0.0).sum(-1)
+    count = torch.where(found | ~torch.isfinite(tc_g), count, math.inf)  # rows without mass: nothing to describe
+    return lo, torch.maximum(hi, lo + 1), count
 
 
 def _key(w: Tensor) -> Tensor:
