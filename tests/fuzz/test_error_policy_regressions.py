@@ -30,7 +30,7 @@ def test_a_scalar_tensor_parameter_with_a_bad_value_is_rejected(make):
 
 
 def test_a_scalar_tensor_filter_with_a_bad_value_is_rejected():
-    with pytest.raises(ss.ValidationError, match="top_p_renorm: SamplingParams.top_p: expected a value in"):
+    with pytest.raises(ss.ValidationError, match="top_p_renorm: top_p: expected a value in"):
         ss.top_p_renorm(torch.rand(2, 5), torch.tensor(float("nan")))
 
 
@@ -229,14 +229,6 @@ def test_a_top_k_past_int64_is_off():
         out = ss.sample_from_logits(logits, ss.SamplingParams(top_k=k), ss.Philox(torch.arange(3)))
         assert out.tokens.tolist() == ss.sample_from_logits(logits, None, ss.Philox(torch.arange(3))).tokens.tolist()
         assert torch.allclose(ss.top_k_renorm(probs, k), probs / probs.sum(-1, keepdim=True))
-
-
-def test_more_log_probabilities_than_tokens_is_a_value_error():
-    """num_logprobs had no upper bound: 2**40 tried to allocate terabytes."""
-    with pytest.raises(ss.ValidationError, match=r"sample_from_logits: num_logprobs: expected an int in \[0, V = 50\], "
-                                                 r"got 1099511627776"):
-        ss.sample_from_logits(torch.randn(2, 50), num_logprobs=2**40)
-    assert ss.sample_from_logits(torch.randn(2, 50), num_logprobs=50).top_token_ids.shape == (2, 50)
 
 
 @pytest.mark.parametrize("op, name, bad", [(ss.top_p_renorm, "top_p", 1.5), (ss.top_k_renorm, "top_k", 2.5),

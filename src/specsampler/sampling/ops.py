@@ -238,7 +238,7 @@ def sample_from_logits(
         params: :class:`SamplingParams`, scalars or per request ``[B]``; temperature 0 = greedy.
         rng: ``None``, a ``torch.Generator`` or :class:`Philox`.
         vocab_mask: bool broadcastable to ``[B, ..., V]``, True = allowed.
-        num_logprobs: N in ``[0, V]``; also return the N most likely tokens and their log-probabilities.
+        num_logprobs: N >= 0; also return the N most likely tokens and their log-probabilities.
     Returns:
         :class:`SampleOutput`.
     """
@@ -258,8 +258,6 @@ def sample_from_logits(
         tokens, logprobs = ops.sample_from_logits(logits.reshape(-1, V), rp.temperature, rp.top_k, rp.top_p,
                                                   rp.min_p, mask, seed, offset, index, u)
         return SampleOutput(tokens.reshape(lead), logprobs.reshape(lead), None, None)
-    if num_logprobs > logits.shape[-1]:
-        fail(op, "num_logprobs", f"an int in [0, V = {logits.shape[-1]}]", num_logprobs)
     x, rp, B, M = logit_rows(op, logits, params, vocab_mask, full)
     R, V = x.shape
     on_host = rp.shared if rp.shared is not None else rp  # every row's parameters as numbers, when shared
