@@ -49,8 +49,7 @@ def most_sub_bins(vocab_size: int, world: int) -> int:
     """The most sub-intervals a description divides its interval into (what :mod:`.cost` plans), from the widest
     shard of an even split: a power of two in :data:`SUB_BINS`, about one per 128 ids a rank holds (the interval
     round 1 estimates, a quarter of an octave of weight, holds a few percent of a wide nucleus's tokens)."""
-    want = -(-vocab_size // world) // 128
-    return min(max(SUB_BINS[0], 1 << max(0, want - 1).bit_length()), SUB_BINS[1])
+    return _power_of_two(-(-vocab_size // world) // 128, SUB_BINS[1])
 
 
 def _sub_bins(count: Tensor, most: int) -> int:
@@ -63,7 +62,11 @@ def _sub_bins(count: Tensor, most: int) -> int:
     most_count = float(count.max()) if count.numel() else 0.0
     if not math.isfinite(most_count):  # a row whose interval is not an estimate's
         return most
-    want = int(most_count) // _PER_SUB_BIN
+    return _power_of_two(int(most_count) // _PER_SUB_BIN, most)
+
+
+def _power_of_two(want: int, most: int) -> int:
+    """The least power of two at least ``want``, within ``[SUB_BINS[0], most]``."""
     return min(max(SUB_BINS[0], 1 << max(0, want - 1).bit_length()), most)
 
 
@@ -174,14 +177,16 @@ def _estimated_interval(got: Gathered, top: Tensor, c: Tensor, top_p: Tensor) ->
     j_lo = near.long().argmax(-1)
     j_hi = APPROX_BINS - 1 - near.flip(-1).long().argmax(-1)
     found = near.any(-1) & torch.isfinite(tc_g)
-    hi_w = torch.exp2((bin_g - j_lo + 1).double() / PER_OCTAVE - tc_g) * (1 + 1e-5)
-    lo_w = torch.exp2((bin_g - j_hi).double() / PER_OCTAVE - tc_g) * (1 - 1e-5)
+    # the bins' edges: bin j (counted down from the maximum's) holds the weights in [edge[j + 1], edge[j])
+    j = torch.arange(APPROX_BINS + 1, device=top.device)
+    edge = torch.exp2((bin_g[:, None] - j + 1).double() / PER_OCTAVE - tc_g[:, None])  # [r, 129]
+    hi_w = edge.gather(1, j_lo[:, None])[:, 0] * (1 + 1e-5)
+    lo_w = edge.gather(1, j_hi[:, None] + 1)[:, 0] * (1 - 1e-5)
     hi = torch.where(found & (j_lo > 0) & (hi_w < 1), _key(hi_w) + 1, END_KEY)
     lo = torch.where(found & (j_hi < APPROX_BINS - 1), _key(lo_w).clamp(min=MIN_KEY), MIN_KEY)
-    j = torch.arange(APPROX_BINS, device=top.device)
-    least = torch.exp2((bin_g[:, None] - j).double() / PER_OCTAVE - tc_g[:, None])  # [r, 128]: each bin's least weight
-    within = found[:, None] & (j >= j_lo[:, None]) & (j <= j_hi[:, None])  # an interval from no estimate: unbounded
-    count = torch.where(within, per_rank / least, 0.0).nan_to_num(nan=0.0, posinf=0.0).sum(-1)
+    bins = j[:-1]
+    within = found[:, None] & (bins >= j_lo[:, None]) & (bins <= j_hi[:, None])  # no estimate: unbounded below
+    count = torch.where(within, per_rank / edge[:, 1:], 0.0).nan_to_num(nan=0.0, posinf=0.0).sum(-1)
     count = torch.where(found | ~torch.isfinite(tc_g), count, math.inf)  # rows without mass: nothing to describe
     return lo, torch.maximum(hi, lo + 1), count
 
