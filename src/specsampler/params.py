@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import constants
-from .validation import check_no_bad, check_shape, check_tensor, fail, values_checkable
+from .validation import check_host_or, check_no_bad, check_shape, check_tensor, fail, values_checkable
 
 
 def _within(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False):
@@ -80,7 +80,7 @@ class SamplingParams:
     broken by the lower id.
 
     Scalars are checked here; tensors are checked when used (their values only where that
-    costs no device sync, or with ``validate="full"``).
+    costs no device sync, or with ``validate="full"``). A tensor is on the inputs' device or the CPU (copied).
     """
 
     temperature: float | Tensor = 1.0
@@ -105,6 +105,7 @@ class SamplingParams:
             if isinstance(v, Tensor):
                 if v.dim() == 1:
                     check_shape(op, full_name, v, (batch,), "[B]")
+                check_host_or(op, full_name, v, device)
                 if bad is not None and values_checkable(v, full):
                     check_no_bad(op, full_name, bad(v.to(dtype)), v, want)
                 v = v.to(device=device, dtype=dtype).expand(batch)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import constants
-from .validation import check_shape, check_tensor, fail
+from .validation import check_host_or, check_shape, check_tensor, fail
 
 STREAM_SAMPLE = 0
 STREAM_ACCEPT = 1
@@ -39,7 +39,8 @@ class Philox:
     Args:
         seed: int, or int64 tensor ``[B]``: request b's key.
         offset: int, or int64 tensor ``[B]``: request b's step counter. Keep it on the device
-            of the inputs and advance it in place between steps for CUDA-graph replays.
+            of the inputs and advance it in place between steps for CUDA-graph replays (a tensor on the CPU is
+            copied to that device; on any other device it is an error).
     """
 
     seed: int | Tensor
@@ -75,6 +76,7 @@ class Uniforms:
         check_tensor(op, name, t, kind="float", ndim=2)
         if t.shape[0] != batch or t.shape[1] < count:
             fail(op, name, f"shape [B = {batch}, >= {count}]", f"shape {list(t.shape)}")
+        check_host_or(op, name, t, device)
         # NaN read as 0, so that a draw lands on a token (values outside [0, 1) act as the nearer end: the draws clamp)
         return torch.nan_to_num(t[:, :count].to(device=device, dtype=torch.float32), nan=0.0)
 
@@ -84,6 +86,7 @@ def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.
         check_tensor(op, name, v, kind="int", ndim=(0, 1))
         if v.dim() == 1:
             check_shape(op, name, v, (batch,), "[B]")
+        check_host_or(op, name, v, device)
         return v.to(device=device, dtype=torch.int64).expand(batch)
     if isinstance(v, bool) or not isinstance(v, int):
         fail(op, name, "an int or an int64 tensor [B]", type(v).__name__)

@@ -72,6 +72,12 @@ def check_device(op: str, name: str, t: Tensor, device: torch.device) -> None:
         fail(op, name, f"a tensor on {device} (the device of the first input)", f"one on {t.device}")
 
 
+def check_host_or(op: str, name: str, t: Tensor, device: torch.device) -> None:
+    """Check that ``t`` (a parameter or key the op copies to ``device``) is on ``device`` or the CPU."""
+    if t.device != device and t.device.type != "cpu":
+        fail(op, name, f"a tensor on {device} (the device of the first input) or the CPU", f"one on {t.device}")
+
+
 def values_checkable(t: Tensor, full: bool) -> bool:
     """Whether value checks run for ``t``: always in full mode, otherwise only where free: on the CPU, and not
     while ``torch.compile`` traces (a check's branch on values would break the graph there)."""

@@ -244,3 +244,27 @@ def test_a_vocab_mask_whose_values_cannot_be_read_is_not_called_a_shape_error():
     with pytest.raises(ss.ValidationError, match=r"vocab_mask: expected a tensor whose values can be read on logits' "
                                                  r"device cpu, got one on meta"):
         ss.sample_from_logits(torch.randn(2, 50), vocab_mask=torch.ones(2, 50, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.parametrize(("name", "call"), [
+    ("SamplingParams.temperature", lambda x, meta: ss.sample_from_logits(
+        x, ss.SamplingParams(temperature=torch.ones(2, device=meta)))),
+    ("Philox.seed", lambda x, meta: ss.sample_from_logits(x, rng=ss.Philox(torch.arange(2, device=meta)))),
+    ("Philox.offset", lambda x, meta: ss.sample_from_logits(x, rng=ss.Philox(0, torch.zeros(2, dtype=torch.int64,
+                                                                                             device=meta)))),
+    ("Uniforms.sample", lambda x, meta: ss.sample_from_logits(x, rng=ss.Uniforms(torch.rand(2, 1, device=meta)))),
+])
+def test_a_parameter_or_key_on_another_device_than_the_inputs_or_the_cpu_is_rejected_by_name(name, call):
+    # they are copied to the inputs' device; from a device that cannot be read (here meta) the copy raised
+    # NotImplementedError, not an error naming the argument
+    with pytest.raises(ss.ValidationError, match=rf"sample_from_logits: {name}: expected a tensor on cpu .* or the "
+                                                 rf"CPU, got one on meta"):
+        call(torch.randn(2, 5), torch.device("meta"))
+
+
+def test_a_parameter_on_the_cpu_is_copied_to_the_inputs_device():
+    x = torch.randn(2, 5)
+    rng = ss.Philox(torch.arange(2))
+    want = ss.sample_from_logits(x, ss.SamplingParams(temperature=0.5), rng=rng)
+    got = ss.sample_from_logits(x, ss.SamplingParams(temperature=torch.full((2,), 0.5)), rng=rng)
+    assert torch.equal(want.tokens, got.tokens)
