@@ -9,6 +9,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 
 import specsampler as ss
 from specsampler import parallel
@@ -337,21 +338,28 @@ def monte_carlo() -> dict:
 
 
 def errors(shard, g):
-    """Mistakes raise on every rank, none waits for the others, with either strategy: a bad value on one rank only,
-    with validate='full'; a torch.Generator; sampled rows without a Philox (each rank would draw its own numbers)."""
+    """Mistakes raise on every rank, none waits for the others, with either strategy; each error names its argument
+    (the message's second field): a bad value on one rank only, with validate='full' (every rank gets that rank's
+    message); a torch.Generator; sampled rows without a Philox (each rank would draw its own numbers); shards that
+    do not tile the vocabulary (every rank holding its first half); seeds that differ between ranks."""
     x = torch.zeros(2, shard.size)
     if shard.start == 0:
         x[1, 0] = float("nan")
+    half = parallel.VocabShard(0, V // 2, V)
+    sampled = ss.SamplingParams(temperature=1.0)
     caught = []
     for strategy in ("shard", "gather"):
-        for args, kwargs in (((ss.SamplingParams(temperature=0.0),), dict(validate="full")),
-                             ((ss.SamplingParams(temperature=0.0), torch.Generator()), {}),
-                             ((ss.SamplingParams(temperature=1.0),), {})):
+        for rows, args, kwargs in ((x, (ss.SamplingParams(temperature=0.0),), dict(validate="full")),
+                                   (x, (ss.SamplingParams(temperature=0.0), torch.Generator()), {}),
+                                   (x, (sampled,), {}),
+                                   (torch.zeros(2, V // 2), (sampled, ss.Philox(0)), dict(shard=half)),
+                                   (x, (sampled, ss.Philox(dist.get_rank())), {})):
             try:
-                parallel.sample_from_logits(x, *args, shard=shard, strategy=strategy, **kwargs)
+                parallel.sample_from_logits(rows, *args, **{"shard": shard, "strategy": strategy, **kwargs})
                 caught.append(None)
             except ValueError as e:
-                caught.append(type(e).__name__)
+                caught.append(f"{type(e).__name__} naming {str(e).split(': ')[1]}"
+                              + (" (on rank 0)" if "(on rank 0, which holds ids [0, " in str(e) else ""))
     return caught
 
 
@@ -691,7 +699,8 @@ def fallbacks(shard, g):
     layout = rounds.exchange(s, []).layout
     lo, hi = torch.zeros(world, R, dtype=torch.float64), torch.full((world, R), 2.0**40, dtype=torch.float64)
     with parallel.count_collectives() as log:
-        token, _ = rounds.run(draws.draw(w[:, s.start:s.end].contiguous(), u, lo, hi, layout, s), s, w.device)
+        token, _ = rounds.run(draws.draw(w[:, s.start:s.end].contiguous(), u, lo, hi, layout, s), s, w.device,
+                              "draw", torch.zeros((), dtype=torch.int64))
     out = {"draw": [token.tolist(), sample_by_inversion(w, u).tolist(), log.rounds]}
     x = _sampled_logits(g, 8, 1)[:, 0]
     params, rng = ss.SamplingParams(top_p=torch.linspace(0.2, 0.95, 8)), _philox(g, 8)

@@ -7,7 +7,8 @@ same results on every rank, equal token for token to the one-device ops on the w
 (:mod:`.argmax`), sampled rows processed on the shards (:mod:`.process`, :mod:`.nucleus`) and verified
 (:mod:`.walks`), every round one ``all_gather`` that every step shares (:mod:`.rounds`); ``gather`` all-gathers
 the rows and runs the one-device op. ``auto`` picks by a latency-bandwidth model of the link (:class:`Link`,
-:data:`LINKS`, :mod:`.cost`).
+:data:`LINKS`, :mod:`.cost`). Every rank passes the same arguments but its shard's columns; the first round checks
+that the shards tile the vocabulary and the arguments agree (:meth:`.rounds.Layout.check`), on every rank alike.
 """
 
 from . import cost

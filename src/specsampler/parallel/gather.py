@@ -10,12 +10,14 @@ from .rounds import exchange
 from .shard import VocabShard
 
 
-def whole_rows(shard: VocabShard, tensors: list[Tensor]) -> list[Tensor]:
+def whole_rows(shard: VocabShard, tensors: list[Tensor], op: str, fingerprint: Tensor) -> list[Tensor]:
     """Each of ``tensors`` (``[..., shard.size]``, any dtype, the same shapes on every rank) as its whole rows
     ``[..., V]`` (global ids), on every rank: one round when no shard holds more than ``ceil(V / world)`` ids (as
-    :meth:`VocabShard.even` splits), the columns past that in a second round otherwise."""
+    :meth:`VocabShard.even` splits), the columns past that in a second round otherwise. The first round carries
+    the call's ``fingerprint`` and is checked as :func:`.rounds.run` checks it."""
     per = -(-shard.vocab_size // dist.get_world_size(shard.group))
-    got = exchange(shard, [_columns(t, 0, per) for t in tensors])
+    got = exchange(shard, [_columns(t, 0, per) for t in tensors], fingerprint)
+    got.layout.check(op)
     parts = [[p] for p in got.parts]
     if got.layout.widest > per:  # an uneven split: the rest of the longer shards
         extra = exchange(shard, [_columns(t, per, got.layout.widest - per) for t in tensors])

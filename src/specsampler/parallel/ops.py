@@ -39,10 +39,11 @@ from . import cost, walks
 from .argmax import shard_argmax
 from .gather import whole_rows
 from .process import process, sample
-from .rounds import run
+from .rounds import digest, run
 from .shard import VocabShard
 
 STRATEGIES = ("auto", "shard", "gather")
+_MESSAGE_BYTES = 512  # a value check's message, as every rank receives it
 
 
 def _inputs(op: str, logits: Tensor, name: str, ndim: int, shard: object, rng: object, vocab_mask: Tensor | None,
@@ -74,16 +75,21 @@ def _masked(logits: Tensor, vocab_mask: Tensor | None) -> Tensor:
 
 
 def _agreed(op: str, shard: VocabShard, check, device) -> None:
-    """Run a value check on every rank and raise on all of them if it fails on any (a rank that raised alone
-    would leave the others waiting in the next collective)."""
+    """Run a value check on every rank and raise on all of them if it fails on any, with the first failing rank's
+    message (a rank that raised alone would leave the others waiting in the next collective): one ``all_gather``
+    of each rank's message, a few hundred bytes."""
     try:
         check()
-        bad, message = torch.zeros(1, dtype=torch.int64, device=device), None
+        message = b""
     except ValidationError as e:
-        bad, message = torch.ones(1, dtype=torch.int64, device=device), str(e)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=shard.group)
-    if bool(bad):
-        raise ValidationError(message or f"{op}: a value check failed on another rank of the shard's group")
+        message = f"{e} (on rank {dist.get_rank(shard.group)}, which holds ids [{shard.start}, {shard.end}))".encode()
+    message = message[:_MESSAGE_BYTES]
+    sent = torch.tensor(list(message) + [0] * (_MESSAGE_BYTES - len(message)), dtype=torch.uint8, device=device)
+    got = [torch.empty_like(sent) for _ in range(dist.get_world_size(shard.group))]
+    dist.all_gather(got, sent, group=shard.group)
+    for m in got:
+        if bool(m[0]):
+            raise ValidationError(bytes(m.cpu().tolist()).rstrip(b"\0").decode(errors="replace"))
 
 
 def _greedy(params: SamplingParams | None) -> bool:
@@ -102,12 +108,20 @@ def _rows(op: str, params: SamplingParams | None, B: int, M: int, device, full: 
     return (params if params is not None else SamplingParams()).rows(op, B, M, device, full)
 
 
-def _gathered(shard: VocabShard, logits: Tensor, vocab_mask: Tensor | None, *more: Tensor | None) -> list[Tensor]:
+def _gathered(op: str, fingerprint: Tensor, shard: VocabShard, logits: Tensor, vocab_mask: Tensor | None,
+              *more: Tensor | None) -> list[Tensor]:
     """The ``gather`` strategy's round: the whole rows of the logits, the mask (where given) and ``more`` (where
     given), on every rank. The values were checked on the shards (``validate="full"``), so the one-device op that
     follows checks structure only."""
     rows = [logits] + ([] if vocab_mask is None else [vocab_mask.expand_as(logits)])
-    return whole_rows(shard, rows + [t for t in more if t is not None])
+    return whole_rows(shard, rows + [t for t in more if t is not None], op, fingerprint)
+
+
+def _fingerprint(op: str, logits: Tensor, vocab_mask: Tensor | None, draft_probs: Tensor | None, *args) -> Tensor:
+    """:func:`.rounds.digest` of a call: its op, the shapes and dtypes but the shards' columns, and ``args``."""
+    def rows(t: Tensor | None):
+        return None if t is None else (tuple(t.shape[:-1]), str(t.dtype))
+    return digest(logits.device, op, rows(logits), rows(vocab_mask), rows(draft_probs), *args)
 
 
 def _strategy(strategy: str, link: cost.Link, shard: VocabShard, plans) -> str:
@@ -141,12 +155,15 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
         _agreed(op, shard, lambda: check_logits_values(op, "logits", logits), dev)
     how = _strategy(strategy, cost.link_of(link, shard), shard,
                     lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask, shard))
+    def fingerprint():
+        return _fingerprint(op, logits, vocab_mask, None, params, rng, num_logprobs, validate, strategy, link)
+
     if how == "gather":
-        x, *mask = _gathered(shard, logits, vocab_mask)
+        x, *mask = _gathered(op, fingerprint(), shard, logits, vocab_mask)
         return _sampling.sample_from_logits(x, params, rng, mask[0] if mask else None, num_logprobs)
     x = _masked(logits, vocab_mask)
     if not greedy or num_logprobs > 1:  # more log-probabilities: the greedy rows' candidates, as on one device
-        return _sample(op, x, rp, rng, num_logprobs, shard)
+        return _sample(op, x, rp, rng, num_logprobs, shard, fingerprint())
     tokens, mass = shard_argmax(x, shard)
     # a greedy row is one-hot: log-probability 0 at its token, -inf elsewhere; -inf everywhere without mass
     logprobs = torch.where(mass, 0.0, float("-inf"))
@@ -155,7 +172,7 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
     return SampleOutput(tokens, logprobs, torch.where(mass, tokens, -1)[:, None], logprobs[:, None])
 
 
-def _sample(op, x, rp, rng, num_logprobs, shard) -> SampleOutput:
+def _sample(op, x, rp, rng, num_logprobs, shard, fingerprint) -> SampleOutput:
     """Sampled (and mixed) rows, and greedy ones with more than one log-probability: processed on the shards,
     drawn by exact inversion across them."""
     B, dev = x.shape[0], x.device
@@ -165,7 +182,7 @@ def _sample(op, x, rp, rng, num_logprobs, shard) -> SampleOutput:
         rows = yield from process(x.float(), rp, shard, None, num_logprobs)
         return (yield from sample(rows, u, num_logprobs, shard))
 
-    tokens, probs, top_ids, top_p = run(steps(), shard, dev)
+    tokens, probs, top_ids, top_p = run(steps(), shard, dev, op, fingerprint)
     logprobs = in_vector_body(torch.log, probs)
     if not num_logprobs:
         return SampleOutput(tokens, logprobs, None, None)
@@ -204,8 +221,12 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard,
                     lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask, shard, link))
+    def fingerprint():
+        return _fingerprint(op, target_logits, vocab_mask, q, drafts, params, method, num_drafts, rng, validate,
+                            strategy, link)
+
     if how == "gather":
-        x, *rest = _gathered(shard, target_logits, vocab_mask, q)
+        x, *rest = _gathered(op, fingerprint(), shard, target_logits, vocab_mask, q)
         mask = rest.pop(0) if vocab_mask is not None else None
         return _chain.verify_chain_from_logits(x, draft_tokens, params, draft_probs=rest[0] if rest else None,
                                                num_drafts=num_drafts, method=method, rng=rng, vocab_mask=mask)
@@ -218,7 +239,8 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     if B == 0:
         return _chain._result(c, torch.zeros(0, dtype=torch.int64, device=dev),
                               torch.zeros(0, dtype=torch.int64, device=dev), lambda: torch.zeros(0, device=dev))
-    return run(walks.verify_chain(c, x.reshape(B * K1, size).float(), rp, shard, u_draw, u_accept, link), shard, dev)
+    return run(walks.verify_chain(c, x.reshape(B * K1, size).float(), rp, shard, u_draw, u_accept, link), shard, dev,
+               op, fingerprint())
 
 
 class _Argmaxes:
@@ -267,8 +289,12 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard, lambda: cost.tree_plan(method, draft_sampling, greedy, rp, tree,
                                                                    target_logits, q, vocab_mask, shard, link))
+    def fingerprint():
+        return _fingerprint(op, target_logits, vocab_mask, q, drafts, tree, params, method, draft_sampling, rng,
+                            validate, strategy, link)
+
     if how == "gather":
-        x, *rest = _gathered(shard, target_logits, vocab_mask, q)
+        x, *rest = _gathered(op, fingerprint(), shard, target_logits, vocab_mask, q)
         mask = rest.pop(0) if vocab_mask is not None else None
         return _tree.verify_tree_from_logits(x, draft_tokens, tree, params, draft_probs=rest[0] if rest else None,
                                              method=method, draft_sampling=draft_sampling, rng=rng, vocab_mask=mask)
@@ -283,5 +309,5 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         return _tree._finish(c, torch.zeros(0, tree.max_depth + 1, dtype=torch.int64, device=dev), empty, empty, None)
     path, n, y_out = run(walks.verify_tree(c, x.reshape(B * N, size).float(), rp, shard, u_draw, u_accept, link),
-                         shard, dev)
+                         shard, dev, op, fingerprint())
     return _tree._finish(c, path, n, y_out, None)

@@ -27,8 +27,8 @@ class VocabShard:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 fail(op, name, "an int", repr(v))
-        if self.vocab_size < 1:
-            fail(op, "vocab_size", "an int >= 1", self.vocab_size)
+        if not 1 <= self.vocab_size < 2**31:
+            fail(op, "vocab_size", "an int in [1, 2**31)", self.vocab_size)
         if not 0 <= self.start <= self.vocab_size:
             fail(op, "start", f"an int in [0, vocab_size = {self.vocab_size}]", self.start)
         if not 0 <= self.size <= self.vocab_size - self.start:
