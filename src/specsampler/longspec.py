@@ -11,12 +11,14 @@ its ancestors; ``output_ids[b, i]`` is the target's argmax after node i; in
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from .params import SamplingParams
 from .rng import Philox, check_rng
-from .validation import check_shape, check_tensor, fail
+from .validation import check_device, check_mode, check_no_bad, check_shape, check_tensor, fail, values_checkable
 from .verify.kv import Cache, compact_kv
 from .verify.token_tree import TokenTree
 from .verify.tree import verify_tree_from_logits
@@ -31,7 +33,7 @@ def _tree(op: str, tree_mask: Tensor) -> TokenTree:
 @torch.no_grad()
 def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, cache_lens: Tensor,
                       non_leaf_len: int | Tensor, *, kv_cache: Cache | None = None,
-                      seq_dim: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+                      seq_dim: int = 1, validate: str = "structure") -> tuple[Tensor, Tensor, Tensor]:
     """Greedy tree verification with LongSpec's semantics.
 
     A node is verified when the target's output at its parent equals its token; the walk
@@ -41,10 +43,12 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
     Args:
         input_ids: integer ``[B, N]``: node tokens. output_ids: integer ``[B, N]``: target
             argmax after each node. tree_mask: ``[B, N, N]`` (any dtype, nonzero = ancestor or
-            self). cache_lens: integer ``[B]``. non_leaf_len: int, the number of non-leaf nodes
-            (they come first).
+            self). cache_lens: integer ``[B]``. non_leaf_len: int, or integer tensor ``[]`` or ``[B]``,
+            the number of non-leaf nodes (they come first).
         kv_cache: optional cache to compact onto the accepted path (see :func:`compact_kv`;
             LongSpec's caches are ``[B, S, H, D]``, hence ``seq_dim=1``).
+        validate: ``"structure"`` or ``"full"`` (cache_lens >= 0 and, with ``kv_cache``, positions inside
+            the cache: :func:`compact_kv`).
     Returns:
         ``acc_ids`` int64 ``[B, D+1]``: the target's outputs along the accepted path (the
         accepted drafts then the bonus token), ``-1`` after; ``acc_num`` int64 ``[B]``: nodes
@@ -59,8 +63,16 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
         check_shape(op, name, t, (B, N), "[B, N] (as tree_mask)")
     check_tensor(op, "cache_lens", cache_lens, kind="int", ndim=1)
     check_shape(op, "cache_lens", cache_lens, (B,), "[B]")
-    if not isinstance(non_leaf_len, (int, Tensor)) or isinstance(non_leaf_len, bool):
-        fail(op, "non_leaf_len", "an int or an integer tensor", type(non_leaf_len).__name__)
+    full = check_mode(op, validate)
+    if isinstance(non_leaf_len, Tensor):
+        check_tensor(op, "non_leaf_len", non_leaf_len, kind="int", ndim=(0, 1))
+        if non_leaf_len.dim():
+            check_shape(op, "non_leaf_len", non_leaf_len, (B,), "[B]")
+        check_device(op, "non_leaf_len", non_leaf_len, input_ids.device)
+    elif not isinstance(non_leaf_len, int) or isinstance(non_leaf_len, bool):
+        fail(op, "non_leaf_len", "an int or an integer tensor [] or [B]", type(non_leaf_len).__name__)
+    if values_checkable(cache_lens, full):
+        check_no_bad(op, "cache_lens", cache_lens < 0, cache_lens, "lengths >= 0")
     mask = tree.mask()
     out = output_ids.long()
     ok = out.gather(1, tree.parents.clamp(min=0)) == input_ids.long()
@@ -72,7 +84,8 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
     order = torch.where(on_path, torch.arange(N, device=out.device), N).sort(1).values[:, : tree.max_depth + 1]
     acc_ids = torch.where(order < N, out.gather(1, order.clamp(max=N - 1)), -1)
     if kv_cache is not None:
-        compact_kv(kv_cache, cache_lens, torch.where(order < N, order, -1), acc_num - 1, seq_dim=seq_dim)
+        compact_kv(kv_cache, cache_lens, torch.where(order < N, order, -1), acc_num - 1, seq_dim=seq_dim,
+                   validate=validate)
     return acc_ids, acc_num, (last >= non_leaf_len).int()
 
 
@@ -108,8 +121,8 @@ def verify_stochastic(input_ids: Tensor, tree_mask: Tensor, p_llm: Tensor, p_ssm
     for name, t in (("p_llm", p_llm), ("p_ssm", p_ssm)):
         check_tensor(op, name, t, kind="float", ndim=3)
         check_shape(op, name, t, (B, N, p_llm.shape[-1]), "[B, N, V]")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        fail(op, "temperature", "a number > 0 (greedy verification is tree_verification)", repr(temperature))
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        fail(op, "temperature", "a finite number > 0 (greedy verification is tree_verification)", repr(temperature))
     if draft_sampling not in ("deterministic", "iid", "without_replacement"):
         fail(op, "draft_sampling", "one of ('deterministic', 'iid', 'without_replacement')", repr(draft_sampling))
     params = SamplingParams(temperature=float(temperature))

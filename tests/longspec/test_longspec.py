@@ -103,8 +103,9 @@ def test_verify_stochastic_survives_an_empty_residual_and_is_seedable():
 def test_longspec_bad_inputs_are_named():
     mask = TokenTree.from_parents(torch.tensor([[-1, 0, 0]])).mask()
     x = torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"temperature: expected a number > 0"):
-        longspec.verify_stochastic(x, mask, torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), 0.0)
+    for t in (0.0, float("inf")):  # inf reached SamplingParams and was reported under its name
+        with pytest.raises(ValueError, match=r"verify_stochastic: temperature: expected a finite number > 0"):
+            longspec.verify_stochastic(x, mask, torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), t)
     with pytest.raises(ValueError, match=r"draft_sampling: expected one of"):
         longspec.verify_stochastic(x, mask, torch.zeros(1, 3, 4), torch.zeros(1, 3, 4), 1.0, draft_sampling="topk")
     with pytest.raises(ValueError, match=r"output_ids: expected shape \[B, N\] \(as tree_mask\) = \[1, 3\]"):
@@ -113,3 +114,27 @@ def test_longspec_bad_inputs_are_named():
     bad[0, 0, 0] = False
     with pytest.raises(ValueError, match=r"TokenTree.from_mask: mask\[0, 0\]"):
         longspec.tree_verification(x, x, bad, torch.zeros(1, dtype=torch.long), 1)
+
+
+@pytest.mark.parametrize(("non_leaf_len", "message"), [
+    (torch.tensor(0.5), "expected an integer tensor"), (torch.tensor(True), "expected an integer tensor"),
+    (torch.tensor([1, 2]), r"expected shape \[B\] = \[3\]")])
+def test_tree_verification_names_a_non_leaf_len_that_is_not_an_integer_per_request(non_leaf_len, message):
+    # float and bool tensors were accepted, and a [2] tensor for B = 3 failed broadcasting
+    mask = TokenTree.from_parents(torch.tensor([[-1, 0, 0]] * 3)).mask()
+    x = torch.zeros(3, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"tree_verification: non_leaf_len: {message}"):
+        longspec.tree_verification(x, x, mask, torch.zeros(3, dtype=torch.long), non_leaf_len)
+
+
+def test_tree_verification_takes_validate_and_checks_cache_lens_with_it():
+    mask = TokenTree.from_parents(torch.tensor([[-1, 0, 0]])).mask()
+    x = torch.zeros(1, 3, dtype=torch.long)
+    per_request = longspec.tree_verification(x, x, mask, torch.zeros(1, dtype=torch.long), torch.tensor([1]),
+                                             validate="full")
+    assert [t.tolist() for t in per_request] == [t.tolist() for t in longspec.tree_verification(
+        x, x, mask, torch.zeros(1, dtype=torch.long), 1)]
+    with pytest.raises(ValueError, match=r"tree_verification: cache_lens: expected lengths >= 0"):
+        longspec.tree_verification(x, x, mask, torch.full((1,), -1), 1, validate="full")
+    with pytest.raises(ValueError, match=r"tree_verification: validate: expected one of"):
+        longspec.tree_verification(x, x, mask, torch.zeros(1, dtype=torch.long), 1, validate="some")
