@@ -155,6 +155,7 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
         _agreed(op, shard, lambda: check_logits_values(op, "logits", logits), dev)
     how = _strategy(strategy, cost.link_of(link, shard), shard,
                     lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask, shard))
+
     def fingerprint():
         return _fingerprint(op, logits, vocab_mask, None, params, rng, num_logprobs, validate, strategy, link)
 
@@ -221,6 +222,7 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard,
                     lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask, shard, link))
+
     def fingerprint():
         return _fingerprint(op, target_logits, vocab_mask, q, drafts, params, method, num_drafts, rng, validate,
                             strategy, link)
@@ -289,6 +291,7 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard, lambda: cost.tree_plan(method, draft_sampling, greedy, rp, tree,
                                                                    target_logits, q, vocab_mask, shard, link))
+
     def fingerprint():
         return _fingerprint(op, target_logits, vocab_mask, q, drafts, tree, params, method, draft_sampling, rng,
                             validate, strategy, link)
