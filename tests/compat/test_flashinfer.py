@@ -193,6 +193,22 @@ def test_inversion_in_chunks_of_rows_draws_the_tokens_of_one_pass(monkeypatch):
     assert torch.equal(valid, idx != 3) and (chunked[idx == 3] == 0).all()
 
 
+@pytest.mark.parametrize("chunk", [None, 8])  # every row in one inversion, or one row at a time
+def test_a_row_holding_inf_changes_no_output_drawn_from_other_rows(monkeypatch, chunk):
+    # the +inf row's cumulative sums became NaN in the one sorted sequence every output is searched in, and the
+    # outputs drawn from row 0 all became token V - 1
+    if chunk:
+        monkeypatch.setattr(fs, "_ROWS_PER_INVERSION", chunk)
+    probs = torch.softmax(torch.randn(3, 8, generator=torch.Generator().manual_seed(1)), -1)
+    idx, seed = torch.tensor([0, 0, 0, 0, 2, 1, 1]), torch.arange(7) + 10
+    clean = flashinfer.sampling_from_probs(probs, indices=idx, seed=seed, offset=torch.tensor([0]))
+    dirty = probs.clone()
+    dirty[1, 3] = float("inf")
+    got = flashinfer.sampling_from_probs(dirty, indices=idx, seed=seed, offset=torch.tensor([0]))
+    assert torch.equal(got[:5], clean[:5])
+    assert (got[5:] != 3).all()  # +inf read as 0, as specsampler.sample reads it
+
+
 # ----------------------------------------------------------------------------- randomness
 
 
@@ -257,6 +273,20 @@ def test_chain_returns_a_tuple_and_adds_into_the_callers_counters():
     acc, emi = torch.tensor([5], dtype=torch.int32), torch.tensor([7])
     out = flashinfer.chain_speculative_sampling(draft, ids, target, acc, emi, seed=3, offset=0)
     assert out[1] is acc and out[2] is emi and acc.tolist() == [6] and emi.tolist() == [8]
+
+
+@pytest.mark.parametrize("counter", [torch.zeros(4, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                                     torch.zeros(1)])
+@pytest.mark.parametrize("which", [3, 4])  # the accepted or the emitted counter
+def test_chain_counters_not_of_one_int_per_request_are_rejected_before_any_write(counter, which):
+    # a [4] counter for B = 1 had every entry incremented (entries of no request written)
+    draft, ids, target = _docstring_chain()
+    args = [draft, ids, target, None, None]
+    args[which] = counter
+    with pytest.raises(ValueError, match="chain_speculative_sampling: maybe_output_(accepted_token|emitted_draft_token)"
+                                         "_num: expected"):
+        flashinfer.chain_speculative_sampling(*args)
+    assert not counter.any()
 
 
 def test_chain_accepted_counts_drafts_after_the_first_rejection_that_pass_on_their_own():

@@ -24,7 +24,7 @@ from specsampler import (
 )
 from specsampler.rng import STREAM_ACCEPT, STREAM_SAMPLE, uniform
 from specsampler.sampling.filters import masked_logits
-from specsampler.validation import ValidationError, check_tensor, fail, values_checkable
+from specsampler.validation import ValidationError, check_device, check_shape, check_tensor, fail, values_checkable
 
 __all__ = [
     "chain_speculative_sampling",
@@ -178,6 +178,9 @@ def _invert_rows(dist: Tensor, rows: Tensor, u: Tensor) -> Tensor:
     step = max(1, _ROWS_PER_INVERSION // V)
     for r0 in range(0, U, step):
         cum = dist[r0 : r0 + step].double().cumsum(-1)
+        inf = cum[:, -1] == float("inf")  # a row holding +inf: read as 0 there, as sample reads it (and a NaN
+        if bool(inf.any()):  # quotient would leave the stacked sequence unsorted, misplacing other rows' outputs)
+            cum[inf] = dist[r0 : r0 + step][inf].double().nan_to_num(posinf=0.0).cumsum(-1)
         cum = torch.where(cum[:, -1:] > 0, cum / cum[:, -1:], 0.0)
         shift = 2.0 * torch.arange(cum.shape[0], dtype=torch.float64, device=dist.device)
         flat = (cum + shift[:, None]).reshape(-1)
@@ -507,11 +510,17 @@ def chain_speculative_sampling(
     check_tensor(op, "draft_probs", draft_probs, kind="float", ndim=3)
     B, K, _ = draft_probs.shape
     dev = draft_probs.device
+    accepted = maybe_output_accepted_token_num
+    emitted = maybe_output_emitted_draft_token_num
+    for name, counter in (("maybe_output_accepted_token_num", accepted), ("maybe_output_emitted_draft_token_num",
+                                                                        emitted)):
+        if counter is not None:  # written in place: entries of no request, or a broadcast after the work, never
+            check_tensor(op, name, counter, kind="int", ndim=1)
+            check_shape(op, name, counter, (B,), "[B]")
+            check_device(op, name, counter, dev)
     rng = _rng(seed, offset, generator, dev, B)
     result = verify_chain(target_probs, draft_token_ids, draft_probs, method="token", rng=rng)
     n = result.num_accepted
-    accepted = maybe_output_accepted_token_num
-    emitted = maybe_output_emitted_draft_token_num
     if accepted is None:
         accepted = torch.zeros(B, dtype=torch.int32, device=dev)
     if emitted is None:
