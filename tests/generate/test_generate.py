@@ -176,6 +176,37 @@ def test_bad_arguments_raise_value_errors_naming_them(pair):
         speculative_generate(target, draft, prompt, 4, params={"temperature": 1.0})
 
 
+
+@pytest.mark.parametrize("call", ["speculative_generate", "generate"])
+def test_bad_prompts_and_rngs_are_named_before_the_model_runs(pair, call):
+    # an empty prompt failed in a reshape, ids outside the vocabulary in the model's embedding (IndexError), and an
+    # int rng was taken for the global generator
+    target, draft = pair
+    run = (lambda *a, **k: speculative_generate(target, draft, *a, **k)) if call == "speculative_generate" else (
+        lambda *a, **k: generate(target, *a, **k))
+    V = target.get_input_embeddings().num_embeddings
+    for empty in (torch.zeros(0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=f"{call}: input_ids: expected at least one prompt token"):
+            run(empty, 4)
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=rf"{call}: input_ids: expected token ids in \[0, {V}\) .*, got {bad} .*"
+                                             r"\(request 1\)"):
+            run(torch.tensor([[1, 2], [3, bad]]), 4)
+    with pytest.raises(ValueError, match=f"{call}: rng: expected None, a torch.Generator or a specsampler.Philox"):
+        run(torch.tensor([1, 2]), 4, rng=42)
+
+
+@pytest.mark.parametrize("call", ["speculative_generate", "generate"])
+def test_padding_ids_the_mask_hides_do_not_matter(pair, call):
+    # -1 (or any id) in masked left padding reached the model's embedding: IndexError
+    target, draft = pair
+    run = (lambda *a, **k: speculative_generate(target, draft, *a, **k)) if call == "speculative_generate" else (
+        lambda *a, **k: generate(target, *a, **k))
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    outs = [run(torch.tensor([[pad, pad, 5, 9], [3, 8, 1, 22]]), 12, attention_mask=mask,
+                rng=ss.Philox(torch.tensor([4, 5]))).tokens for pad in (0, -1, 10**6)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
 def test_generation_emits_no_deprecation_warnings_from_transformers(pair):
     """transformers 5 deprecates ``past_key_values`` (for ``cache``): the loop uses what the model declares."""
     import warnings

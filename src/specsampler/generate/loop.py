@@ -20,7 +20,7 @@ from ..kernels import use_triton
 from ..params import SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox
 from ..sampling.ops import sample_from_logits
-from ..validation import check_tensor, fail
+from ..validation import check_no_bad, check_tensor, fail
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _verify_tree_prepared
 from .cache import ModelCache
@@ -82,23 +82,37 @@ class GenerationOutput:
 # ------------------------------------------------------------------------------ arguments
 
 
-def _check_prompt(op: str, input_ids, attention_mask) -> tuple[Tensor, Tensor]:
-    """The prompts as int64 ``[B, L]`` and which entries are real tokens (bool ``[B, L]``)."""
+def _check_prompt(op: str, input_ids, attention_mask, model) -> tuple[Tensor, Tensor]:
+    """The prompts as int64 ``[B, L]`` and which entries are real tokens (bool ``[B, L]``): real tokens are ids of
+    ``model``'s vocabulary (where its input embeddings tell its size); padding is read as token 0 whatever its ids
+    (the model attends to it nowhere). One read of the ids on the host."""
     check_tensor(op, "input_ids", input_ids, kind="int", ndim=(1, 2))
-    ids = input_ids.reshape(-1, input_ids.shape[-1]).long()
-    if ids.shape[1] == 0:
+    if input_ids.shape[-1] == 0:
         fail(op, "input_ids", "at least one prompt token", f"shape {list(input_ids.shape)}")
+    ids = input_ids.reshape(-1, input_ids.shape[-1]).long()
     if attention_mask is None:
-        return ids, torch.ones_like(ids, dtype=torch.bool)
-    if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
-        fail(op, "attention_mask", f"a tensor of the shape of input_ids {list(input_ids.shape)}",
-             getattr(attention_mask, "shape", type(attention_mask).__name__))
-    real = attention_mask.reshape(ids.shape).to(ids.device).bool()
-    last_pad = ~real[:, -1]
-    if bool(last_pad.any()):
-        fail(op, "attention_mask", "left padding (the last token of every prompt real)", "a padded last token",
-             int(last_pad.nonzero()[0, 0]))
+        real = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+            fail(op, "attention_mask", f"a tensor of the shape of input_ids {list(input_ids.shape)}",
+                 getattr(attention_mask, "shape", type(attention_mask).__name__))
+        real = attention_mask.reshape(ids.shape).to(ids.device).bool()
+        last_pad = ~real[:, -1]
+        if bool(last_pad.any()):
+            fail(op, "attention_mask", "left padding (the last token of every prompt real)", "a padded last token",
+                 int(last_pad.nonzero()[0, 0]))
+        ids = torch.where(real, ids, 0)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    V = getattr(embeddings, "num_embeddings", None)
+    if V is not None:
+        check_no_bad(op, "input_ids", (ids < 0) | (ids >= V), ids,
+                     f"token ids in [0, {V}) (the model's vocabulary) where attention_mask is 1")
     return ids, real
+
+
+def _check_rng(op: str, rng) -> None:
+    if rng is not None and not isinstance(rng, (torch.Generator, Philox)):
+        fail(op, "rng", "None, a torch.Generator or a specsampler.Philox", type(rng).__name__)
 
 
 def _check_count(op: str, name: str, value, low: int) -> int:
@@ -202,7 +216,8 @@ def generate(
     """
     op = "generate"
     started = time.perf_counter()
-    ids, real = _check_prompt(op, input_ids, attention_mask)
+    _check_rng(op, rng)
+    ids, real = _check_prompt(op, input_ids, attention_mask, model)
     _check_count(op, "max_new_tokens", max_new_tokens, 0)
     dev = _model_device(model)
     ids, real = ids.to(dev), real.to(dev)
@@ -343,7 +358,8 @@ def speculative_generate(
         :class:`GenerationOutput`; ``stats`` counts both models' calls and the accepted drafts.
     """
     started = time.perf_counter()
-    ids, real = _check_prompt(OP, input_ids, attention_mask)
+    _check_rng(OP, rng)
+    ids, real = _check_prompt(OP, input_ids, attention_mask, target)
     _check_count(OP, "max_new_tokens", max_new_tokens, 0)
     method, how = _resolve(OP, drafter, method, draft_sampling)
     branching = _branching(OP, drafter, num_draft_tokens, tree_shape)
