@@ -534,6 +534,32 @@ def test_greedy_never_reads_another_requests_target_row():
 
 
 @pytest.mark.parametrize("fn", ["verify_tree_greedy", "tree_speculative_sampling_target_only"])
+def test_links_of_nodes_the_walk_never_reaches_are_ignored_as_sgl_kernel_ignores_them(fn):
+    """sgl_kernel reads the links from the root only: stale entries in a node no list reaches (here node 3 of a
+    chain 0 -> 1 -> 2, padding), or the root's sibling, change nothing (they raised 'not a tree')."""
+    candidates, _, first_child, next_sibling = _two_chains()
+    pad = lambda t: torch.cat([t, torch.full((2, 1), -1)], 1)  # noqa: E731
+    candidates, first_child, next_sibling = pad(candidates), pad(first_child), pad(next_sibling)
+    index = torch.arange(8).view(2, 4)
+    target = _one_hot([1, 2, 3, 0, 1, 2, 3, 0], 4).view(2, 4, 4)
+    outs = []
+    for stale in ({}, {"first_child": 1}, {"next_sibling": 2}, {"root_sibling": 3}):
+        fc, ns = first_child.clone(), next_sibling.clone()
+        fc[1, 3] = stale.get("first_child", -1)
+        ns[1, 3] = stale.get("next_sibling", -1)
+        ns[1, 0] = stale.get("root_sibling", -1)
+        predicts, accept_index, accept_token_num = _outputs(2, 8, 3)
+        if fn == "verify_tree_greedy":
+            sgl_kernel.verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, index, fc, ns,
+                                          target.argmax(-1))
+        else:
+            sgl_kernel.tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num, candidates,
+                                                             index, fc, ns, torch.full((2, 4), 0.5),
+                                                             torch.full((2,), 0.5), target)
+        outs.append([t.tolist() for t in (predicts, accept_index, accept_token_num)])
+    assert outs[0][2] == [2, 2] and all(o == outs[0] for o in outs[1:])
+
+@pytest.mark.parametrize("fn", ["verify_tree_greedy", "tree_speculative_sampling_target_only"])
 def test_a_slot_outside_predicts_is_a_kernel_check_error_and_a_shared_one_keeps_the_last_write(fn):
     """A slot outside predicts would be written outside it; slots that requests share (SGLang's own tests give every
     request arange(N)) are the caller's layout: each request's outputs from its own rows, the shared slot holding

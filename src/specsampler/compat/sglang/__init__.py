@@ -104,9 +104,35 @@ def _required(op: str, **named: object) -> None:
 
 def _tree(op: str, next_token: Tensor, next_sibling: Tensor) -> TokenTree:
     try:
-        return TokenTree.from_first_child_next_sibling(next_token, next_sibling)
+        return TokenTree.from_first_child_next_sibling(*_read_links(next_token, next_sibling))
     except ValidationError as e:
         raise KernelCheckError(f"{op}: retrive_next_token / retrive_next_sibling: not a tree: {e}") from e
+
+
+def _read_links(next_token: Tensor, next_sibling: Tensor) -> tuple[Tensor, Tensor]:
+    """The links sgl_kernel reads, as it walks from the root: each reached node's first child and each reached
+    child's next sibling (never the root's); the links of nodes it never reaches (stale entries, padding) read as -1.
+    Links that are not integer ``[B, N]`` of one shape are returned as given (the tree's checks name them)."""
+    if not (isinstance(next_token, Tensor) and isinstance(next_sibling, Tensor) and next_token.dim() == 2
+            and next_token.shape == next_sibling.shape and not next_token.dtype.is_floating_point
+            and not next_sibling.dtype.is_floating_point and next_token.dtype != torch.bool):
+        return next_token, next_sibling
+    fc, ns = (t.detach().to("cpu", torch.int64) for t in (next_token, next_sibling))
+    B, N = fc.shape
+    ns[:, :1] = -1
+    reach = torch.zeros(B, N, dtype=torch.bool)
+    reach[:, :1] = True
+    rows = torch.arange(B)[:, None].expand(B, N)
+    for _ in range(N):
+        more = reach.clone()
+        for links in (fc, ns):
+            to = torch.where(reach, links, -1)
+            on = (to >= 0) & (to < N)
+            more[rows[on], to[on]] = True
+        if torch.equal(more, reach):
+            break
+        reach = more
+    return tuple(torch.where(reach, t, -1).to(next_token.device) for t in (fc, ns))
 
 
 def _check_slots(op: str, index: Tensor, tree: TokenTree, size: int, row: int | None = None) -> None:
