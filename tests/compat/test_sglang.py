@@ -548,6 +548,7 @@ def test_links_of_nodes_the_walk_never_reaches_are_ignored_as_sgl_kernel_ignores
         fc[1, 3] = stale.get("first_child", -1)
         ns[1, 3] = stale.get("next_sibling", -1)
         ns[1, 0] = stale.get("root_sibling", -1)
+        given = fc.clone(), ns.clone()
         predicts, accept_index, accept_token_num = _outputs(2, 8, 3)
         if fn == "verify_tree_greedy":
             sgl_kernel.verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, index, fc, ns,
@@ -557,6 +558,7 @@ def test_links_of_nodes_the_walk_never_reaches_are_ignored_as_sgl_kernel_ignores
                                                              index, fc, ns, torch.full((2, 4), 0.5),
                                                              torch.full((2,), 0.5), target)
         outs.append([t.tolist() for t in (predicts, accept_index, accept_token_num)])
+        assert torch.equal(fc, given[0]) and torch.equal(ns, given[1])  # the caller's links are not modified
     assert outs[0][2] == [2, 2] and all(o == outs[0] for o in outs[1:])
 
 @pytest.mark.parametrize("fn", ["verify_tree_greedy", "tree_speculative_sampling_target_only"])

@@ -117,7 +117,7 @@ def _read_links(next_token: Tensor, next_sibling: Tensor) -> tuple[Tensor, Tenso
             and next_token.shape == next_sibling.shape and not next_token.dtype.is_floating_point
             and not next_sibling.dtype.is_floating_point and next_token.dtype != torch.bool):
         return next_token, next_sibling
-    fc, ns = (t.detach().to("cpu", torch.int64) for t in (next_token, next_sibling))
+    fc, ns = (t.detach().to("cpu", torch.int64, copy=True) for t in (next_token, next_sibling))  # ns is written
     B, N = fc.shape
     ns[:, :1] = -1
     reach = torch.zeros(B, N, dtype=torch.bool)
