@@ -104,7 +104,8 @@ def _required(op: str, **named: object) -> None:
 
 def _tree(op: str, next_token: Tensor, next_sibling: Tensor) -> TokenTree:
     try:
-        return TokenTree.from_first_child_next_sibling(*_read_links(next_token, next_sibling))
+        tree = TokenTree.from_first_child_next_sibling(*_read_links(next_token, next_sibling))
+        return tree.to(next_token.device)
     except ValidationError as e:
         raise KernelCheckError(f"{op}: retrive_next_token / retrive_next_sibling: not a tree: {e}") from e
 
@@ -112,7 +113,8 @@ def _tree(op: str, next_token: Tensor, next_sibling: Tensor) -> TokenTree:
 def _read_links(next_token: Tensor, next_sibling: Tensor) -> tuple[Tensor, Tensor]:
     """The links sgl_kernel reads, as it walks from the root: each reached node's first child and each reached
     child's next sibling (never the root's); the links of nodes it never reaches (stale entries, padding) read as -1.
-    Links that are not integer ``[B, N]`` of one shape are returned as given (the tree's checks name them)."""
+    int64 ``[B, N]`` on the CPU (the tree is built there); links that are not integer ``[B, N]`` of one shape are
+    returned as given (the tree's checks name them)."""
     if not (isinstance(next_token, Tensor) and isinstance(next_sibling, Tensor) and next_token.dim() == 2
             and next_token.shape == next_sibling.shape and not next_token.dtype.is_floating_point
             and not next_sibling.dtype.is_floating_point and next_token.dtype != torch.bool):
@@ -132,7 +134,7 @@ def _read_links(next_token: Tensor, next_sibling: Tensor) -> tuple[Tensor, Tenso
         if torch.equal(more, reach):
             break
         reach = more
-    return tuple(torch.where(reach, t, -1).to(next_token.device) for t in (fc, ns))
+    return torch.where(reach, fc, -1), torch.where(reach, ns, -1)
 
 
 def _check_slots(op: str, index: Tensor, tree: TokenTree, size: int, row: int | None = None) -> None:
