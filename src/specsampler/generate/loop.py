@@ -209,7 +209,8 @@ def generate(
         params: :class:`SamplingParams` (scalars or ``[B]``); default temperature 1.
         rng: ``None``, a ``torch.Generator`` or :class:`Philox` (per-request seeds ``[B]``).
         eos_token_id: None, an id or a list of ids that end a request (kept as its last token).
-        attention_mask: ``[B, L]``, 1 for real tokens, 0 for left padding.
+        attention_mask: ``[B, L]``, 1 for real tokens (ids of the model's vocabulary), 0 for left padding
+            (any ids: read as 0).
         on_step: called after every model call with the tokens generated so far.
     Returns:
         :class:`GenerationOutput`.
@@ -350,7 +351,8 @@ def speculative_generate(
             first-token draw, each draft level's draws and each verification take the next
             offset, the same sequence for every request).
         eos_token_id: None, an id or a list of ids that end a request (kept as its last token).
-        attention_mask: ``[B, L]``, 1 for real tokens, 0 for left padding.
+        attention_mask: ``[B, L]``, 1 for real tokens (ids of the model's vocabulary), 0 for left padding
+            (any ids: read as 0).
         draft_params: how the draft's logits become its distributions (default ``params``).
         prompt_lookup_min, prompt_lookup_max: the n-gram sizes the n-gram drafter matches.
         on_step: called after every verification step with the tokens generated so far.
