@@ -262,7 +262,7 @@ def test_a_parameter_or_key_on_another_device_than_the_inputs_or_the_cpu_is_reje
         call(torch.randn(2, 5), torch.device("meta"))
 
 
-def test_a_parameter_on_the_cpu_is_copied_to_the_inputs_device():
+def test_a_parameter_tensor_on_the_inputs_device_passes_the_device_check_and_means_its_scalar():
     x = torch.randn(2, 5)
     rng = ss.Philox(torch.arange(2))
     want = ss.sample_from_logits(x, ss.SamplingParams(temperature=0.5), rng=rng)

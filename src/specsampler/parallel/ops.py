@@ -87,9 +87,9 @@ def _agreed(op: str, shard: VocabShard, check, device) -> None:
     sent = torch.tensor(list(message) + [0] * (_MESSAGE_BYTES - len(message)), dtype=torch.uint8, device=device)
     got = [torch.empty_like(sent) for _ in range(dist.get_world_size(shard.group))]
     dist.all_gather(got, sent, group=shard.group)
-    for m in got:
-        if bool(m[0]):
-            raise ValidationError(bytes(m.cpu().tolist()).rstrip(b"\0").decode(errors="replace"))
+    for m in torch.stack(got).cpu():  # one read on the host, every rank's message
+        if m[0]:
+            raise ValidationError(bytes(m.tolist()).rstrip(b"\0").decode(errors="replace"))
 
 
 def _greedy(params: SamplingParams | None) -> bool:
