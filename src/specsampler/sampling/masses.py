@@ -163,8 +163,16 @@ def sample_processed(weights: Tensor, u: Tensor) -> Tensor:
     [0, 1) (the library's uniforms): the same column without the steps only other rows need (a clamp of the weights
     and of u, a row without mass, the end ``t = Z``: ``u Z < Z`` rounds below Z in float64, Z < 2**42). Rows of a short
     vocabulary processed in few ops (:func:`specsampler.sampling.ops._process_small`) are such rows. int64 ``[R]``."""
-    cum = scaled_masses(weights, out=torch.empty_like(weights)).double().cumsum_(-1)
+    cum = prefix_masses(weights)
     return _first_above(cum, u.double().mul_(cum[:, -1]))  # integer sums exceed u Z exactly where they exceed its floor
+
+
+def prefix_masses(w: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """float64 ``[R, C]``: the inclusive prefix sums of the masses of weights ``w`` float32 ``[R, C]``, each in
+    [0, 1] (no NaN): exact integers, in two operations (the masses in ``scratch``, a float32 ``[R, C]`` the caller
+    no longer needs, or a new tensor; converted to float64 as they are summed)."""
+    return torch.cumsum(scaled_masses(w, out=torch.empty_like(w) if scratch is None else scratch), -1,
+                        dtype=torch.float64)
 
 
 def invert_few_on_cpu(weights: Tensor, u: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ from ..validation import (
 )
 from .filters import _FAR, _clean_top, _scale, _unit_divisor, masked_logits, probability_weights, sample_plain
 from .greedy import greedy_ids
-from .masses import as_weight, scaled_masses
+from .masses import as_weight, prefix_masses
 from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
 
 
@@ -360,7 +360,7 @@ def _process_small(x: Tensor, small: tuple[Tensor, ...]) -> Processed | None:
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
     w = in_vector_body(torch.exp2, xc.sub_(tc)).clamp_(max=1.0)
     w, order = torch.sort(w, dim=-1, descending=True, stable=True)
-    cum = scaled_masses(w, out=torch.empty_like(w)).double().cumsum_(-1)  # of masses.masses(): weights in [0, 1]
+    cum = prefix_masses(w, xc)  # of masses.masses(): weights in [0, 1] (xc, the exponents, is free now)
     # a token is kept where the mass before it is below masses.top_p_target, ceil(top_p * Z) (at most Z already:
     # top_p < 1 and Z an integer): the first n + 1, n the count of prefix masses below it (cum ends at Z: n < V)
     n = torch.searchsorted(cum, torch.ceil(top_p * cum[:, -1:]))
@@ -368,7 +368,7 @@ def _process_small(x: Tensor, small: tuple[Tensor, ...]) -> Processed | None:
     kept = torch.where(constants.index_in_request(1, x.shape[1], x.device) <= n, w, 0.0)
     kept.div_(as_weight(cum.gather(1, n)))
     # every row keeps its top weight, 1: a positive mass, and quotients in [0, 1]
-    return Processed.from_dense(torch.empty_like(kept).scatter_(1, order, kept), positive=True)
+    return Processed.from_dense(xc.scatter_(1, order, kept), positive=True)  # xc's masses are summed: free
 
 
 def _process_prepared(x: Tensor, rp: RowParams, constants: tuple[Tensor, ...] | None) -> Processed:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
-from ..sampling.masses import MASS_BITS, row_mass, sample_by_inversion
+from ..sampling.masses import MASS_BITS, has_mass, row_mass, sample_by_inversion
 from .token_tree import TokenTree
 
 OP = "reference"
@@ -84,13 +84,14 @@ def _usable(x: int, V: int) -> bool:
 def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: list[float], u_draw: list[float]) -> tuple[list[int], int]:
     """Rejection sampling, one request: p ``[K+1, V]``, q ``[K, V]``, x its K drafts, the uniforms of its K+1 nodes
     (float32 values). -> (tokens, accepted)."""
-    V = p.shape[1]
+    K, V = len(x), p.shape[1]
+    p_x, q_x = _values_at(p[:K], x), _values_at(q[:K], x)
     for i, xi in enumerate(x):
-        if _usable(xi, V) and f32(u_acc[i + 1]) * _at(q[i], xi) < _at(p[i], xi):  # draft i is node i+1
+        if _usable(xi, V) and f32(u_acc[i + 1]) * q_x[i] < p_x[i]:  # draft i is node i+1
             continue
         residual = (p[i] - q[i]).clamp(min=0.0)
-        return x[:i] + [_draw(residual if row_mass(residual) > 0 else p[i], u_draw[i])], i
-    return x + [_draw(p[len(x)], u_draw[len(x)])], len(x)
+        return x[:i] + [_draw(residual if has_mass(residual) else p[i], u_draw[i])], i
+    return x + [_draw(p[K], u_draw[K])], K
 
 
 @quiet
