@@ -85,6 +85,62 @@ def test_the_newest_releases_positional_weight_is_the_ensemble_weight():
         assert ours[0].tolist() == theirs[0].tolist() and int(ours[1]) == int(theirs[1]), seed
 
 
+def test_low_precision_logits_draw_the_correction_with_float32_uniforms(monkeypatch):
+    """bfloat16 logits: the bonus token is drawn by inversion of a float32 uniform (a bfloat16 one, on a grid of
+    2**-8 in [0.5, 1), made the emitted token's law coarse: a chi-square p-value of 1e-26 on 8000 draws). At a
+    uniform just above an edge between two tokens that bfloat16 rounds below it, the token above is drawn."""
+    V = 16
+    bonus = torch.full((V,), 0.1 / 15)
+    bonus[0] = 0.9
+    sure = torch.zeros(V)
+    sure[3] = 10.0
+    nl = torch.stack([sure, bonus.log()])[None].bfloat16()
+    cl = sure[None, None].bfloat16()
+    edges = nl[0, 1].float().softmax(-1).cumsum(0).tolist()
+    # the first edge a uniform just above it (on token j + 1) leaves, rounded to bfloat16, for token j
+    j, u = next((j, e + 1e-5) for j, e in enumerate(edges[:-2]) if float(torch.tensor(e + 1e-5).bfloat16()) < e)
+    monkeypatch.setattr(torch, "rand_like", lambda t: torch.full_like(t, u))
+    tokens, n = speculative_sampling(torch.tensor([[1, 2, 3]]), cl, 1, nl)
+    assert tokens.tolist() == [[3, j + 1]] and int(n) == 1
+
+
+def test_full_validation_names_bad_logits_and_candidates_and_the_default_stays_in_range():
+    p, q = torch.full((3, 4), 0.25), torch.full((2, 4), 0.25)
+    ids, cl, k, nl = inputs(p, q, [1, 2])
+    nan, inf, empty = nl.clone(), cl.clone(), nl.clone()
+    nan[0, 1, 2], inf[0, 0, 1], empty[0, 2] = float("nan"), float("inf"), float("-inf")
+    cases = [((ids, cl, k, nan), "new_logits: expected logits without NaN or \\+inf, got nan"),
+             ((ids, inf, k, nl), "candidate_logits: expected logits without NaN or \\+inf, got inf"),
+             ((ids, cl, k, empty), "new_logits: expected rows holding a finite logit"),
+             ((torch.tensor([[7, 7, 1, 4]]), cl, k, nl), r"candidate_input_ids: expected candidates in \[0, 4\)"),
+             ((torch.tensor([[7, 7, -1, 2]]), cl, k, nl), r"candidate_input_ids: expected candidates in \[0, 4\)")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match="speculative_sampling: " + message):
+            speculative_sampling(*args, validate="full")
+        tokens, n = speculative_sampling(*args)  # "structure": a token in range, whatever the values
+        assert tokens.shape == (1, int(n) + 1) and bool(((tokens >= 0) & (tokens < 4)).all())
+
+
+def test_no_candidate_draws_the_bonus_even_when_the_candidates_would_end_generation():
+    p = torch.tensor([[0.0, 0.0, 1.0]])
+    for done in (False, True):
+        for weight in (None, 0.5):
+            tokens, n = speculative_sampling(torch.tensor([[7, 7]]), torch.zeros(1, 0, 3), 0, p.log()[None], weight,
+                                             is_done_candidate=done)
+            assert tokens.tolist() == [[2]] and int(n) == 0
+
+
+def test_a_one_value_mock_of_rand_like_pins_every_acceptance_test(monkeypatch):
+    """transformers compares ``rand_like``'s result to the K ratios by broadcasting, so its tests may mock it with
+    one value: the same value then tests every draft here (it raised on the shape)."""
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    for shape in ((), (1,)):
+        monkeypatch.setattr(torch, "rand_like", lambda t, shape=shape: torch.full(shape, 0.6))
+        tokens, n = speculative_sampling(*inputs(p, q, [1, 2, 1]))  # 0.6 * 1 < 0.5 fails: the third is rejected
+        assert tokens.tolist() == [[1, 2, 0]] and int(n) == 2
+
+
 def test_an_ensemble_weight_of_one_verifies_as_none_and_weights_outside_zero_one_raise():
     g = torch.Generator().manual_seed(8)
     p = torch.softmax(torch.randn(3, 5, generator=g), -1)
@@ -96,9 +152,17 @@ def test_an_ensemble_weight_of_one_verifies_as_none_and_weights_outside_zero_one
         torch.manual_seed(seed)
         one = speculative_sampling(*args, 1.0)
         assert plain[0].tolist() == one[0].tolist()
-    for bad in (0.0, -0.5, 1.5, float("nan"), "0.5"):
+    for bad in (0.0, -0.5, 1.5, float("nan"), "0.5", torch.tensor([0.5, 0.5])):
         with pytest.raises(ValueError, match="speculative_sampling: assistant_ensemble_weight: expected a weight"):
             speculative_sampling(*args, bad)
+    with pytest.raises(ValueError, match="expected a weight in \\(0, 1\\] or None, got '0.5'"):  # quoted: a str
+        speculative_sampling(*args, "0.5")
+    # any real number, as transformers' GenerationConfig takes it (numpy's float32 was refused)
+    for weight in (np.float32(0.6), torch.tensor(0.6)):
+        torch.manual_seed(3)
+        ours = speculative_sampling(*args, weight)
+        torch.manual_seed(3)
+        assert ours[0].tolist() == speculative_sampling(*args, float(weight))[0].tolist()
 
 
 def emitted_counts(verify, p, q, drafts, trials):
@@ -180,8 +244,25 @@ def test_bad_arguments_raise_value_errors_naming_them():
     ids, cl, k, nl = inputs(p, q, [1, 2])
     with pytest.raises(ValueError, match="speculative_sampling: candidate_input_ids: expected batch size 1"):
         speculative_sampling(ids.expand(2, -1), cl.expand(2, -1, -1), k, nl.expand(2, -1, -1))
+    # every tensor's batch and the vocabularies are checked, with or without an ensemble weight (a second row of
+    # logits was read as the first's, silently, with one)
+    for weight in (None, 0.5):
+        with pytest.raises(ValueError, match="speculative_sampling: candidate_logits: expected batch size 1"):
+            speculative_sampling(ids, cl.expand(2, -1, -1), k, nl, weight)
+        with pytest.raises(ValueError, match="speculative_sampling: new_logits: expected batch size 1"):
+            speculative_sampling(ids, cl, k, nl.expand(2, -1, -1), weight)
+        with pytest.raises(ValueError, match=r"speculative_sampling: candidate_logits: expected the vocabulary of "
+                           r"new_logits \(4 logits a row\), got 5"):
+            speculative_sampling(ids, torch.zeros(1, 2, 5), k, nl, weight)
     with pytest.raises(ValueError, match="speculative_sampling: candidate_length"):
         speculative_sampling(ids, cl, 3, nl)
+    # not an integer: transformers fails in a slice; int() read 2.5 as 2 and "3" as 3
+    for bad in (2.5, "2", True, torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match=r"speculative_sampling: candidate_length: expected an integer, got"):
+            speculative_sampling(ids, cl, bad, nl)
+    assert speculative_sampling(ids, cl, np.int64(2), nl)[0].shape[1] == int(speculative_sampling(ids, cl, 2, nl)[1]) + 1
+    with pytest.raises(ValueError, match="speculative_sampling: validate"):
+        speculative_sampling(ids, cl, k, nl, validate="values")
     with pytest.raises(ValueError, match="patched: method"), patched("rrs"):
         pass
     with patched("block"), pytest.raises(ValueError, match="assistant_ensemble_weight"):

@@ -12,6 +12,8 @@ transformers: docs/design.md, "Drop-in compatibility per peer", ``compat.hf``.
 from __future__ import annotations
 
 import inspect
+import numbers
+import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,11 +21,12 @@ import torch
 from torch import Tensor
 
 from specsampler import Uniforms, verify_chain
-from specsampler.validation import check_tensor, fail
+from specsampler.validation import check_mode, check_no_bad, check_tensor, fail
 
 __all__ = ["patched", "speculative_sampling"]
 
 METHODS = ("token", "block")
+OP = "speculative_sampling"
 
 
 def speculative_sampling(
@@ -34,14 +37,15 @@ def speculative_sampling(
     assistant_ensemble_weight: float | None = None,
     *,
     is_done_candidate: bool | Tensor = False,
+    validate: str = "structure",
 ) -> tuple[Tensor, Tensor]:
     """Verify the assistant's candidates against the target (Leviathan et al., algorithm 1).
 
     Maps onto :func:`specsampler.verify_chain` with ``method="token"``: lossless. The signature is that of
-    transformers 5.18 to 5.24 (the newest): ``assistant_ensemble_weight`` fifth. The older releases' calls work
-    too: 4.56 to 5.13 passed ``is_done_candidate`` fifth and 5.14 to 5.17 took it before the weight, so
-    ``is_done_candidate`` is accepted by keyword, and a bool (or bool tensor) in fifth place is read as it (no
-    weight is a bool).
+    transformers 5.18 to 5.24 (the newest): ``assistant_ensemble_weight`` fifth. Of the older releases' calls,
+    ``is_done_candidate`` fifth (4.56 to 5.13) and by keyword work (a bool or bool tensor in fifth place is read
+    as it: no weight is a bool); 5.14 to 5.17's positional ``(..., is_done_candidate, assistant_ensemble_weight)``
+    does not fit this signature (:func:`patched` installs the order of the release it finds).
 
     Args:
         candidate_input_ids: int64 ``[1, L + candidate_length]``: the sequence with the candidates last.
@@ -56,13 +60,18 @@ def speculative_sampling(
             drawn by ``torch.multinomial``). None or 1: lossless (``w = 1`` verifies against ``p`` itself).
             Other values raise a ValueError (transformers' ``GenerationConfig`` allows (0, 1)).
         is_done_candidate: (transformers up to 5.17) the last candidate ends generation: when all are
-            accepted, no bonus token is drawn and the last candidate is not counted as a match.
+            accepted, no bonus token is drawn and the last candidate is not counted as a match (with no
+            candidate, the bonus token is drawn).
+        validate: ``"structure"`` (types and shapes) or ``"full"``: also NaN or ``+inf`` logits, rows without a
+            finite logit and candidates outside the vocabulary raise a ValueError (transformers fails on them
+            too); with ``"structure"`` they give a token in range, as every op of the library.
     Returns:
         ``(valid_tokens, n_matches)``: int64 ``[1, n_matches + 1]`` (the accepted candidates, then the
         correction or bonus token) and a 0-dim int64 tensor, the accepted count.
     """
     weight, done = _weight_and_done(assistant_ensemble_weight, is_done_candidate)
-    return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, done, weight, "token")
+    return _verify(candidate_input_ids, candidate_logits, candidate_length, new_logits, done, weight, "token",
+                   check_mode(OP, validate))
 
 
 def _weight_and_done(fifth: object, is_done_candidate: bool | Tensor) -> tuple[float | None, bool | Tensor]:
@@ -72,36 +81,58 @@ def _weight_and_done(fifth: object, is_done_candidate: bool | Tensor) -> tuple[f
         return None, fifth
     if fifth is None:
         return None, is_done_candidate
-    w = float(fifth) if isinstance(fifth, (int, float, Tensor)) else float("nan")
+    real = isinstance(fifth, numbers.Real) or (isinstance(fifth, Tensor) and fifth.numel() == 1
+                                               and not fifth.dtype.is_complex)
+    w = float(fifth) if real else float("nan")
     if not 0.0 < w <= 1.0:
-        fail("speculative_sampling", "assistant_ensemble_weight", "a weight in (0, 1] or None", fifth)
+        fail(OP, "assistant_ensemble_weight", "a weight in (0, 1] or None", repr(fifth))
     return (None if w == 1.0 else w), is_done_candidate
 
 
 def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_length: int, new_logits: Tensor,
-            is_done_candidate: bool, weight: float | None, method: str) -> tuple[Tensor, Tensor]:
-    op = "speculative_sampling"
-    K = int(candidate_length)
+            is_done_candidate: bool, weight: float | None, method: str, full: bool = False) -> tuple[Tensor, Tensor]:
+    op = OP
     check_tensor(op, "candidate_input_ids", candidate_input_ids, kind="int", ndim=2)
     check_tensor(op, "candidate_logits", candidate_logits, kind="float", ndim=3)
     check_tensor(op, "new_logits", new_logits, kind="float", ndim=3)
-    if candidate_input_ids.shape[0] != 1:
-        fail(op, "candidate_input_ids", "batch size 1 (as transformers' assisted generation)",
-             candidate_input_ids.shape[0])
+    for name, t in (("candidate_input_ids", candidate_input_ids), ("candidate_logits", candidate_logits),
+                    ("new_logits", new_logits)):
+        if t.shape[0] != 1:
+            fail(op, name, "batch size 1 (as transformers' assisted generation)", t.shape[0])
+    V = new_logits.shape[2]
+    if candidate_logits.shape[2] != V:
+        fail(op, "candidate_logits", f"the vocabulary of new_logits ({V} logits a row)", candidate_logits.shape[2])
+    if isinstance(candidate_length, bool) or isinstance(candidate_length, Tensor) and candidate_length.numel() != 1:
+        fail(op, "candidate_length", "an integer", repr(candidate_length))
+    try:
+        K = operator.index(candidate_length)
+    except TypeError:
+        fail(op, "candidate_length", "an integer", repr(candidate_length))
     if not 0 <= K <= min(candidate_input_ids.shape[1], candidate_logits.shape[1], new_logits.shape[1] - 1):
         fail(op, "candidate_length", "at most the candidates in candidate_input_ids and candidate_logits, "
              "with K + 1 rows of new_logits", K)
     drafts = candidate_input_ids[:, candidate_input_ids.shape[1] - K:]
-    q = candidate_logits[:, :K].softmax(-1)
-    p = new_logits[:, :K + 1].softmax(-1)
+    if full:
+        for name, t in (("candidate_logits", candidate_logits[:, :K]), ("new_logits", new_logits[:, :K + 1])):
+            check_no_bad(op, name, t.isnan() | (t == float("inf")), t, "logits without NaN or +inf")
+            check_no_bad(op, name, (t == float("-inf")).all(-1), t.amax(-1),
+                         "rows holding a finite logit (all -inf has no distribution)")
+        check_no_bad(op, "candidate_input_ids", (drafts < 0) | (drafts >= V), drafts,
+                     f"candidates in [0, {V}) (the vocabulary of the logits)")
     if weight is not None:
         if method != "token":
             fail(op, "assistant_ensemble_weight", f"None or 1 with method {method!r} (the ensemble is "
                  "defined for token verification)", weight)
-        return _ensemble(drafts, q, p, is_done_candidate, weight)
+        # transformers' arithmetic, in the logits' dtype
+        return _ensemble(drafts, candidate_logits[:, :K].softmax(-1), new_logits[:, :K + 1].softmax(-1),
+                         is_done_candidate and K > 0, weight)
+    # float32 distributions and uniforms: a bfloat16 uniform has 2**-8 steps in [0.5, 1), too coarse to draw the
+    # correction token by inversion (transformers' generate casts to float32 before calling too)
+    q = candidate_logits[:, :K].float().softmax(-1)
+    p = new_logits[:, :K + 1].float().softmax(-1)
     res = verify_chain(p, drafts, q, method=method, rng=_transformers_uniforms(p, K))
     n = res.num_accepted[0]
-    if is_done_candidate and int(n) == K:
+    if is_done_candidate and K > 0 and int(n) == K:
         return drafts.clone(), n - 1
     return res.tokens[:, : int(n) + 1], n
 
@@ -110,8 +141,11 @@ def _transformers_uniforms(p: Tensor, K: int) -> Uniforms:
     """Uniforms from transformers' own source, ``torch.rand_like``: the acceptance tests' of the K drafts (as
     transformers draws them; draft i tests index i + 1), and one for the correction or bonus token, which a
     chain draws once (at the first rejection, or at K), so every index holds it. Mocks of ``rand_like`` in
-    transformers' tests then pin our draws too."""
-    u_accept = torch.rand_like(p[0, :K, 0]).reshape(-1)[:K].float()
+    transformers' tests then pin our acceptance tests too (a one-value result serves every draft, as
+    transformers' comparison broadcasts it); we call it twice, transformers once (its correction is a
+    ``torch.multinomial``)."""
+    u_accept = torch.rand_like(p[0, :K, 0]).reshape(-1).float()
+    u_accept = u_accept.expand(K) if u_accept.numel() == 1 else u_accept[:K]
     u_draw = torch.rand_like(p[0, :1, 0]).reshape(-1)[:1].float()
     return Uniforms(sample=u_draw.expand(K + 1)[None], accept=torch.cat([u_accept.new_zeros(1), u_accept])[None])
 
@@ -147,7 +181,9 @@ def patched(method: str = "token") -> Iterator[None]:
     process-wide (a module attribute of ``transformers.generation.utils``): not for concurrent use.
 
     Args:
-        method: ``"token"`` (Leviathan / Chen rejection sampling) or ``"block"`` (Sun et al. 2024).
+        method: ``"token"`` (Leviathan / Chen rejection sampling) or ``"block"`` (Sun et al. 2024). transformers'
+            static ensemble (``assistant_ensemble_weight`` in (0, 1)) is defined for token verification: with
+            ``"block"`` such a generation raises a ValueError at its first verification.
     """
     if method not in METHODS:
         fail("patched", "method", f"one of {METHODS}", repr(method))
