@@ -370,7 +370,7 @@ def compare(paths: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     global BASELINES, CHAIN_VOCABS, PROFILE, OUT, FI_TOPK
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=bench.device_arg)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--inner", type=int, default=10, help="calls per timed sample (per graph replay)")
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")

@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 import specsampler as ss
 from specsampler import parallel
+from specsampler.cli.bench import device_arg
 
 TREE = [-1, 0, 0, 1, 1, 2, 3, 3]  # 8 nodes, depth 3
 
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--K", type=int, default=4)
     ap.add_argument("--V", type=int, default=32000)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", type=device_arg)
     ap.add_argument("--out", help="JSON file for the records")
     args = ap.parse_args()
     nvlink = parallel.LINKS["nvlink"]

@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specsampler.cli import main
 from specsampler.cli.demo import RUNS
@@ -69,10 +70,14 @@ def test_demo_takes_local_model_directories(capsys):
     assert "tree traversal" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--draft needs --target"):
         main(["demo", "--draft", str(PAIR_DIR / "draft")])
+    with pytest.raises(SystemExit, match="--draft: expected a local model directory, got '/nonexistent' "):
+        main(["demo", "--target", str(PAIR_DIR / "target"), "--draft", "/nonexistent"])
 
 
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--top-p", "1.5"], "specsampler demo: error: SamplingParams: SamplingParams.top_p: expected a value in"),
+    (["demo", "--device", "gpu"], "specsampler demo: error: argument --device: 'gpu' is not a torch device"),
+    (["bench", "--quick", "--device", "tpu:0"], "specsampler bench: error: argument --device: 'tpu:0' is not a torch"),
     (["warmup", "--vocab-size", "256", "--device", "cpu"],
      "specsampler warmup: error: warmup: device: expected a device whose ops run the Triton kernels"),
 ])
@@ -84,3 +89,22 @@ def test_bad_argument_values_are_usage_errors_not_tracebacks(argv, message, caps
         main(argv)
     assert done.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: --device cuda is usable here")
+@pytest.mark.parametrize("command", [["demo"], ["bench", "--quick"], ["bench", "generate", "--quick"]])
+def test_a_device_this_machine_lacks_is_a_usage_error_before_any_work(command, capsys):
+    # it ended in torch's "Torch not compiled with CUDA enabled" assertion, deep inside the first model load
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--device", "cuda"])
+    assert done.value.code == 2
+    assert "argument --device: 'cuda': " in capsys.readouterr().err
+
+
+def test_bench_succeeds_whatever_targets_it_misses(monkeypatch):
+    """A benchmark measures; a slow machine misses its targets, and the table says so (it exited 1 then)."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("specsampler.cli.bench"), "run",
+                        lambda *a, **k: [{"op": "x", "met": False}])
+    assert main(["bench", "--quick"]) == 0

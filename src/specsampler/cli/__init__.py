@@ -19,6 +19,7 @@ from .. import (
     verify_tree_from_logits,
 )
 from . import demo
+from .bench import device_arg
 
 
 def tour(args: argparse.Namespace) -> int:
@@ -179,16 +180,16 @@ def check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def bench(args: argparse.Namespace) -> int:
-    """Benchmarks (specsampler.bench): a table, JSON records and optionally a plot."""
+def run_bench(args: argparse.Namespace) -> int:
+    """Benchmarks (specsampler.bench): a table, JSON records and optionally a plot. Measurements, not tests: the
+    table and the records say which targets were met, and the command succeeds either way."""
     from .bench import run, run_generate
 
     if args.what == "generate":
-        report = run_generate(args.device, args.reps or 3, args.quick, args.out, args.plot, args.max_new_tokens)
-        records = report["records"]
+        run_generate(args.device, args.reps or 3, args.quick, args.out, args.plot, args.max_new_tokens)
     else:
-        records = run(args.device, args.reps or 15, args.quick, args.out, args.plot)
-    return 0 if all(r.get("met", True) for r in records) else 1
+        run(args.device, args.reps or 15, args.quick, args.out, args.plot)
+    return 0
 
 
 def warmup(args: argparse.Namespace) -> int:
@@ -228,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="benchmarks: ops against plain-PyTorch baselines and the one-read floor, or "
                        "`bench generate`: where generation's time goes, every method on the built-in pair")
     p.add_argument("what", nargs="?", choices=["ops", "generate"], default="ops")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--reps", type=int, help="rounds per case (default: 15 for ops, 3 for generate)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="generate: new tokens per prompt")
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--plot", help="write a PNG of the speedups here (needs matplotlib)")
-    p.set_defaults(func=bench)
+    p.set_defaults(func=run_bench)
     p = sub.add_parser("warmup", help="compile every kernel a server needs for one model, before serving")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="of the logits")

@@ -25,6 +25,23 @@ from torch import Tensor
 from .. import Philox, SamplingParams, TokenTree, sample_from_logits, verify_chain, verify_tree_from_logits
 
 
+def device_arg(text: str) -> str:
+    """An argparse ``type`` for ``--device``: the name as given, where torch can use that device here (a clear
+    usage error, not a traceback from deep inside, on a machine without it)."""
+    import argparse
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({err})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise argparse.ArgumentTypeError(f"{text!r}: {why}; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: {torch.cuda.device_count()} GPU(s) visible")
+    return text
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -10,6 +10,7 @@ against plain sampling (each method run once to warm up, then timed).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -18,6 +19,7 @@ import torch
 from ..generate.loop import GenerationOutput
 from ..generate.timing import Method, time_methods
 from ..params import SamplingParams
+from .bench import device_arg
 
 PROMPTS = [
     "def read_config(path):\n    ",
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
 
 
 def _load(args: argparse.Namespace):
@@ -69,6 +71,10 @@ def _load(args: argparse.Namespace):
         return load_pair(device=args.device)
     if args.draft is None:
         raise SystemExit("specsampler demo: --target needs --draft")
+    for flag, path in (("--target", args.target), ("--draft", args.draft)):
+        if not os.path.isdir(path):  # transformers would read it as a hub id and fail on its characters
+            raise SystemExit(f"specsampler demo: {flag}: expected a local model directory, got {path!r} (no such "
+                             "directory)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
