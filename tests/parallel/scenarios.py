@@ -186,7 +186,7 @@ def _top_k_params(g: torch.Generator, B: int) -> ss.SamplingParams:
 
 def sampled_chain(shard, g):
     """Every chain method with mixed parameters (then top-k and greedy rows only), masks per position and ragged
-    drafts."""
+    drafts (NaN in the draft rows past them)."""
     out = []
     for params_of in (_params, _params, _top_k_params):
         B, K = 10, 4
@@ -195,6 +195,7 @@ def sampled_chain(shard, g):
         drafts = torch.multinomial(q.view(-1, V) + 1e-9, 1, generator=g).view(B, K)
         drafts[0, 1] = V + 2  # out of range: never accepted
         num = torch.randint(0, K + 1, (B,), generator=g)
+        q[torch.arange(K) >= num[:, None]] = float("nan")  # rows past a request's drafts: padding, never read
         runs = [(m, walks.HELD_WIDTH) for m in ("token", "block", "target_only", "greedy")]
         runs += [(m, -1) for m in ("token", "block")]  # every row here is narrow: also on the shards' columns
         for method, width in runs:

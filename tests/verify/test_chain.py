@@ -277,6 +277,32 @@ def test_bad_chain_inputs_are_named(kwargs, fragments):
         assert f in str(err.value), (f, str(err.value))
 
 
+@pytest.mark.parametrize("B", [1, 2, 9])
+def test_a_request_that_accepts_every_draft_draws_its_bonus_whatever_its_padding_rows_hold(B):
+    # draft_probs rows past num_drafts are padding (torch.empty in an engine): a request that accepted its drafts
+    # draws its bonus from p; NaN there made it p - NaN * 0, a row without mass, and token 0 of probability 0
+    V, K = 5, 3
+    p = torch.zeros(B, K + 1, V)
+    p[..., 3] = 1.0  # the target is sure of token 3 everywhere
+    q = torch.full((B, K, V), 1 / V)
+    x = torch.full((B, K), 3)
+    x[0, 0] = 1  # request 0 is rejected at once (its residual is read), the others accept their drafts
+    num = torch.tensor([K] + [1 + b % K for b in range(1, B)])
+    results = {}
+    for pad in (0.2, float("nan"), float("inf"), -7.0):
+        padded = q.clone()
+        for b in range(B):
+            padded[b, num[b]:] = pad
+        for method in ("token", "block"):
+            for op, target in ((ss.verify_chain, p), (ss.verify_chain_from_logits, p.log())):
+                res = op(target, x, draft_probs=padded, num_drafts=num, method=method, rng=ss.Philox(torch.arange(B)))
+                results.setdefault((method, op.__name__), []).append(res.tokens.tolist())
+    for key, runs in results.items():
+        assert all(r == runs[0] for r in runs), key
+        assert runs[0][0][:2] == [3, -1] and all(row[: num[b] + 1] == [3] * (int(num[b]) + 1)
+                                                 for b, row in enumerate(runs[0][1:], 1)), key
+
+
 def test_full_validation_of_chain_values():
     p = torch.full((2, 3, 4), 0.25)
     q = torch.full((2, 2, 4), 0.25)

@@ -466,3 +466,16 @@ def test_inputs_are_not_modified():
             ss.verify_tree_from_logits(logits, x, tree, SP(top_p=0.9), draft_probs=q, method=method,
                                        draft_sampling=sampling)
     assert all(torch.equal(a, b) for a, b in zip(before, (p, q, logits, x)))
+
+
+@pytest.mark.parametrize("method", ["greedy", "target_only", "rrs", "traversal"])
+def test_a_batch_of_no_requests_gives_int64_results_of_the_documented_shapes(method):
+    # rrs and traversal walked their requests on the host and built the results from empty lists: float32 [0]
+    V, N = 6, 4
+    tree = ss.TokenTree.from_parents(torch.zeros(0, N, dtype=torch.long))
+    p, x = torch.zeros(0, N, V), torch.zeros(0, N, dtype=torch.long)
+    q = p if method in ("rrs", "traversal") else None
+    for res in (ss.verify_tree(p, x, tree, q, method=method, rng=ss.Philox(1)),
+                ss.verify_tree_from_logits(p, x, tree, draft_probs=q, method=method, rng=ss.Philox(1))):
+        assert res.path.dtype == res.tokens.dtype == res.num_accepted.dtype == res.last_node.dtype == torch.int64
+        assert res.path.shape == res.tokens.shape == (0, 1) and res.num_accepted.shape == res.last_node.shape == (0,)

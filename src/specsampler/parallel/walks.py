@@ -69,11 +69,12 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
         rejected = n < c.num_drafts
         if K and bool(rejected.any()):  # the residual max(p - q, 0) where a draft was rejected
             q = c.q.flatten(0, 1)[batch * K + n.clamp(max=K - 1)]
-            residual = (w - q * rejected[:, None]).clamp_(min=0.0)
+            # (a request that accepted every draft reads no q: its q row lies past its drafts, padding)
+            residual = (w - q.masked_fill(~rejected[:, None], 0.0)).clamp_(min=0.0)
             mass = yield from exact_masses(residual)
-            empty = rejected & (mass.sum(0) == 0)  # a residual without mass: draw from p itself
-            w = torch.where(empty[:, None], w, residual)
-            lo, hi = torch.where(empty[None], lo, mass), torch.where(empty[None], hi, mass)
+            use = rejected & (mass.sum(0) > 0)  # a residual without mass: draw from p itself
+            w = torch.where(use[:, None], residual, w)
+            lo, hi = torch.where(use[None], mass, lo), torch.where(use[None], mass, hi)
         y, _ = yield from draw(w, u_draw.gather(1, n[:, None])[:, 0], lo, hi, target.layout, shard)
         return _result(c, n, y, lambda: expected_of(c, p_x, q_x))
     # block
@@ -120,7 +121,7 @@ def _held_chain(c: ChainInputs, target, p_x: Tensor, q_x: Tensor, bad: bool, u_d
             return None
         w, ids, q_stop = got
         if some:
-            residual = (w - q_stop * rejected[:, None]).clamp_(min=0.0)
+            residual = (w - q_stop.masked_fill(~rejected[:, None], 0.0)).clamp_(min=0.0)  # (past the drafts: padding)
             w = torch.where((rejected & has_mass(residual))[:, None], residual, w)  # none: draw from p itself
         return _result(c, n, _held_draw(w, ids, u_draw.gather(1, n[:, None])[:, 0]), lambda: expected_of(c, p_x, q_x))
     if not K:

@@ -248,10 +248,9 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
             return _result(c, n, c.vocab.draw(stop, u), lambda: _expected(c, target, n))
         rejected = n < c.num_drafts
         q_rows = c.q.flatten(0, 1).index_select(0, batch * K + n.clamp(max=K - 1))
-        if bool(rejected.all()):
-            stop.sub_(q_rows)
-        else:  # a request that accepted every draft draws its bonus from p itself: p - q * 0 (q * 1 and q * 0 exact)
-            stop.addcmul_(q_rows, rejected[:, None].to(stop.dtype), value=-1)
+        if not bool(rejected.all()):  # a request that accepted every draft draws its bonus from p itself: its q row
+            q_rows.masked_fill_(~rejected[:, None], 0.0)  # there lies past its drafts (padding: NaN * 0 is NaN)
+        stop.sub_(q_rows)
         # clamped to [0, 1], not only at 0: the draw's masses clamp so anyway, and need no pass of their own
         stop.clamp_(0.0, 1.0)
         y, mass = c.vocab.draw_with_mass(stop, u, unit=True)

@@ -369,8 +369,12 @@ def _paths(c: TreeInputs, walks: list[tuple[list[int], int]]) -> tuple[Tensor, .
         pad = [-1] * (width - len(nodes))
         path.append(nodes + pad)
         tokens.append([x[b][v] for v in nodes[1:]] + [y] + pad)
-    return (torch.tensor(path), torch.tensor([len(nodes) - 1 for nodes, _ in walks]),
-            torch.tensor([y for _, y in walks]), torch.tensor(tokens), torch.tensor([nodes[-1] for nodes, _ in walks]))
+
+    def ints(rows: list, *shape: int) -> Tensor:  # int64 of its shape with no request too (not float32 [0])
+        return torch.tensor(rows, dtype=torch.int64).view(-1, *shape)
+
+    return (ints(path, width), ints([len(nodes) - 1 for nodes, _ in walks]), ints([y for _, y in walks]),
+            ints(tokens, width), ints([nodes[-1] for nodes, _ in walks]))
 
 
 def _walk_draws_host(c: TreeInputs, logits: Tensor, proc: Processed | None,
