@@ -311,6 +311,20 @@ def test_full_validation_of_chain_values():
     with pytest.raises(ValueError, match=r"draft_tokens: expected token ids in \[0, 4\), got 9 .*request 1"):
         ss.verify_chain(p, x, q, validate="full")
     ss.verify_chain(p, x, q, num_drafts=torch.tensor([2, 1]), validate="full")  # beyond num_drafts: ignored
+    # so are the draft rows past a request's drafts and the target rows past its bonus row (padding: they raised)
+    pad_p, pad_q = p.clone(), q.clone()
+    pad_q[1, 1], pad_p[1, 2] = float("nan"), float("nan")
+    ss.verify_chain(pad_p, x, pad_q, num_drafts=torch.tensor([2, 1]), validate="full")
+    ss.verify_chain_from_logits(pad_p.log(), x, draft_probs=pad_q, num_drafts=torch.tensor([2, 1]), validate="full")
+    for row in (0, 1):  # request 1's rows up to its bonus row are read
+        bad = p.clone()
+        bad[1, row] = float("nan")
+        with pytest.raises(ValueError, match=r"target_probs: expected finite probabilities.*request 1"):
+            ss.verify_chain(bad, x, q, num_drafts=torch.tensor([2, 1]), validate="full")
+    bad = q.clone()
+    bad[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"draft_probs: expected finite probabilities.*request 1"):
+        ss.verify_chain(p, x, bad, num_drafts=torch.tensor([2, 1]), validate="full")
     q2 = q.clone()
     q2[1, 0, 0] = -0.5
     with pytest.raises(ValueError, match=r"draft_probs: expected probabilities >= 0.*request 1"):

@@ -217,8 +217,10 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     n_max = _chain.check_num_drafts(op, num_drafts, B, K, dev, full)
     rp = _rows(op, params, B, K1, dev, full)
     if full:
-        _agreed(op, shard, lambda: (check_logits_values(op, "target_logits", target_logits),
-                                    check_token_values(op, "draft_tokens", drafts, V)), dev)
+        _agreed(op, shard, lambda: (
+            check_logits_values(op, "target_logits", torch.where(_chain.drafted(n_max, K1, bonus=True)[..., None],
+                                                                 target_logits.float(), 0.0)),
+            check_token_values(op, "draft_tokens", torch.where(_chain.drafted(n_max, K), drafts, 0), V)), dev)
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard,
                     lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask, shard, link))

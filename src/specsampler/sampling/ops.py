@@ -98,9 +98,9 @@ def logit_inputs(op, logits, params, vocab_mask, full,
     return rp, mask, B, M
 
 
-def logit_rows(op, logits, params, vocab_mask, full) -> tuple[Tensor, RowParams, int, int]:
-    """Validated, masked float32 rows ``[R, V]`` and their parameters, B and M."""
-    rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full)
+def logit_rows(op, logits, params, vocab_mask, full, live: Tensor | None = None) -> tuple[Tensor, RowParams, int, int]:
+    """Validated, masked float32 rows ``[R, V]`` and their parameters, B and M (``live``: as :func:`logit_inputs`)."""
+    rp, mask, B, M = logit_inputs(op, logits, params, vocab_mask, full, live)
     V = logits.shape[-1]
     x = logits.reshape(-1, V).float()
     if mask is not None:

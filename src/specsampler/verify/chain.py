@@ -124,12 +124,28 @@ def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts,
     method, q = check_method(op, method, METHODS, ("token", "block"), draft_probs, (B, K, V), "[B, K, V]", dev)
     n = check_num_drafts(op, num_drafts, B, K, dev, full)
     x_raw = draft_tokens.long()
-    if full:
-        check_token_values(op, "draft_tokens", torch.where(torch.arange(K, device=dev) < n[:, None], x_raw, 0), V)
-        (check_logits_values if logits else check_probs_values)(op, target_name, target)
+    if full:  # the rows and ids each request uses: those past its drafts (and past its bonus row) are padding
+        check_token_values(op, "draft_tokens", torch.where(drafted(n, K), x_raw, 0), V)
+        live = drafted(n, K1, bonus=True)[..., None]
+        if logits:
+            check_logits_values(op, target_name, torch.where(live, target.float(), 0.0))
+        else:
+            check_probs_values(op, target_name, torch.where(live, target.float(), 1.0))
         if q is not None:
-            check_probs_values(op, "draft_probs", q)
+            check_probs_values(op, "draft_probs", torch.where(drafted(n, K)[..., None], q.float(), 1.0))
     return ChainInputs(B, K, V, method, x_raw, n, q)
+
+
+def _live(c: ChainInputs, full: bool) -> Tensor | None:
+    """The target rows ``validate="full"`` reads (bool ``[B, K+1]``, up to each bonus row), or None unless full."""
+    return drafted(c.num_drafts, c.K + 1, bonus=True) if full else None
+
+
+def drafted(num_drafts: Tensor, width: int, bonus: bool = False) -> Tensor:
+    """bool ``[B, width]``: the positions each request uses, ``i < num_drafts[b]`` (``<=`` with its ``bonus``
+    row): what ``validate="full"`` reads; the rest is padding."""
+    i = torch.arange(width, device=num_drafts.device)
+    return i <= num_drafts[:, None] if bonus else i < num_drafts[:, None]
 
 
 def _leading_run(ok: Tensor) -> Tensor:
@@ -291,7 +307,7 @@ def _verify_from_logits_kernel(c: ChainInputs, logits: Tensor, params, vocab_mas
     """:func:`verify_chain_from_logits` by its Triton kernel (the same draws as the reference)."""
     from ..kernels import ops
 
-    rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full)
+    rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full, _live(c, full))
     streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
     seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x_raw.device)
     u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
@@ -411,7 +427,7 @@ def verify_chain_from_logits(
     c = _check_chain(op, target_logits, "target_logits", draft_tokens, draft_probs, num_drafts, method, full, True)
     if use_triton(target_logits.device):
         return _verify_from_logits_kernel(c, target_logits, params, vocab_mask, full, rng, op)
-    x, rp, _, _ = logit_rows(op, target_logits, params, vocab_mask, full)
+    x, rp, _, _ = logit_rows(op, target_logits, params, vocab_mask, full, _live(c, full))
     if c.method == "greedy":
         return _verify(c, None, greedy_ids(x).view(c.B, c.K + 1), rng, op)
     return _verify(c, process(x, rp, logits=True), None, rng, op)
