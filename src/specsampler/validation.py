@@ -61,6 +61,13 @@ def check_tensor(op: str, name: str, t: object, *, kind: str, ndim: int | tuple[
     return t
 
 
+def check_readable(op: str, name: str, t: Tensor) -> None:
+    """An op's main input (the one whose device the others must share) holds values: not on the 'meta' device,
+    whose tensors are shapes only (reading them raised torch's errors, or an op returned a meta "result")."""
+    if t.device.type == "meta":
+        fail(op, name, "a tensor holding values", "a tensor on the 'meta' device")
+
+
 def check_shape(op: str, name: str, t: Tensor, expected: Sequence[int], dims: str) -> None:
     """Check ``t.shape == expected``; ``dims`` names the dimensions, e.g. ``"[B, K+1, V]"``."""
     if tuple(t.shape) != tuple(int(e) for e in expected):

@@ -268,3 +268,25 @@ def test_a_parameter_tensor_on_the_inputs_device_passes_the_device_check_and_mea
     want = ss.sample_from_logits(x, ss.SamplingParams(temperature=0.5), rng=rng)
     got = ss.sample_from_logits(x, ss.SamplingParams(temperature=torch.full((2,), 0.5)), rng=rng)
     assert torch.equal(want.tokens, got.tokens)
+
+
+_P, _Q, _X = torch.rand(2, 3, 5), torch.rand(2, 2, 5), torch.randint(0, 5, (2, 2))
+
+
+@pytest.mark.parametrize(("op", "name", "call"), [
+    ("verify_chain", "target_probs", lambda m: ss.verify_chain(_P.to(m), _X.to(m), _Q.to(m), method="token")),
+    ("verify_chain", "target_probs", lambda m: ss.verify_chain(_P.to(m), _X.to(m))),
+    ("verify_chain_from_logits", "target_logits", lambda m: ss.verify_chain_from_logits(_P.to(m), _X.to(m))),
+    ("sample_from_logits", "logits", lambda m: ss.sample_from_logits(_P[:, 0].to(m))),
+    ("logits_to_probs", "logits", lambda m: ss.logits_to_probs(_P[:, 0].to(m))),
+    ("TokenTree.from_parents", "parents", lambda m: ss.TokenTree.from_parents(torch.tensor([[-1, 0]], device=m))),
+    ("TokenTree.from_mask", "mask", lambda m: ss.TokenTree.from_mask(torch.eye(2, dtype=torch.bool, device=m)[None])),
+    ("verify_tree", "target_probs", lambda m: ss.verify_tree(
+        _P.to(m), _X[:, :1].expand(2, 3).to(m), ss.TokenTree.from_parents(torch.tensor([[-1, 0, 1]] * 2)))),
+])
+def test_main_inputs_without_values_are_named(op, name, call):
+    # a 'meta' tensor is a shape only: reading it raised torch's RuntimeError or NotImplementedError deep inside,
+    # and a target_only chain returned a meta "result"
+    with pytest.raises(ss.ValidationError, match=rf"^{op}: {name}: expected a tensor holding values, got a tensor "
+                                                 r"on the 'meta' device"):
+        call(torch.device("meta"))

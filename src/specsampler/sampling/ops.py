@@ -23,6 +23,7 @@ from ..validation import (
     check_mode,
     check_no_bad,
     check_probs_values,
+    check_readable,
     check_tensor,
     fail,
     shape_str,
@@ -56,6 +57,7 @@ class SampleOutput(NamedTuple):
 def _leading(op: str, name: str, t: Tensor) -> tuple[int, int, int]:
     """(B, M, V) of a ``[B, ..., V]`` tensor: M rows per request."""
     check_tensor(op, name, t, kind="float", ndim=(2, 8))
+    check_readable(op, name, t)
     B, V = t.shape[0], t.shape[-1]
     if V == 0:
         fail(op, name, "a vocabulary dimension V >= 1", f"shape {shape_str(t.shape)}")

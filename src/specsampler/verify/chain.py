@@ -32,6 +32,7 @@ from ..validation import (
     check_mode,
     check_no_bad,
     check_probs_values,
+    check_readable,
     check_shape,
     check_tensor,
     check_token_values,
@@ -114,6 +115,7 @@ def check_num_drafts(op: str, num_drafts: Tensor | None, B: int, K: int, device:
 
 def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts, method, full, logits) -> ChainInputs:
     check_tensor(op, target_name, target, kind="float", ndim=3)
+    check_readable(op, target_name, target)
     B, K1, V = target.shape
     if K1 < 1 or V < 1:
         fail(op, target_name, "shape [B, K+1, V] with K+1 >= 1 and V >= 1", list(target.shape))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..validation import check_shape, check_tensor, fail, shape_str
+from ..validation import check_readable, check_shape, check_tensor, fail, shape_str
 
 
 def _first(bad: Tensor) -> tuple[int, int] | None:
@@ -39,6 +39,7 @@ def _fail_at(op: str, bad: Tensor, name: str, expected: str, values: Tensor | No
 
 def _int_nodes(op: str, name: str, t: object) -> Tensor:
     check_tensor(op, name, t, kind="int", ndim=2)
+    check_readable(op, name, t)  # read on the host
     if t.shape[1] == 0:
         fail(op, name, "at least one node (the root) per request: shape [B, N] with N >= 1", shape_str(t.shape))
     return t
@@ -221,6 +222,7 @@ class TokenTree:
         """
         op = "TokenTree.from_mask"
         check_tensor(op, "mask", mask, kind="bool", ndim=3)
+        check_readable(op, "mask", mask)
         m = mask.detach().cpu()
         B, N, N2 = m.shape
         if N != N2 or N == 0:

@@ -27,6 +27,7 @@ from ..validation import (
     check_method,
     check_mode,
     check_probs_values,
+    check_readable,
     check_shape,
     check_tensor,
     check_token_values,
@@ -85,6 +86,7 @@ class TreeResult:
 
 def _check_tree(op, target, target_name, draft_tokens, tree, draft_probs, method, draft_sampling, full, logits):
     check_tensor(op, target_name, target, kind="float", ndim=3)
+    check_readable(op, target_name, target)
     B, N, V = target.shape
     if V < 1:
         fail(op, target_name, "a vocabulary dimension V >= 1", list(target.shape))
