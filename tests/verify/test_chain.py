@@ -303,6 +303,19 @@ def test_a_request_that_accepts_every_draft_draws_its_bonus_whatever_its_padding
                                                  for b, row in enumerate(runs[0][1:], 1)), key
 
 
+def test_expected_accepted_stays_in_zero_to_k_whatever_the_values():
+    # rows that are not distributions (unnormalised, negative, inf, NaN) took it to 7.65, 14.8, -0.76 or inf at K = 3
+    K, V = 3, 2
+    x = torch.zeros(4, K, dtype=torch.long)
+    q = torch.tensor([0.9, 0.1]).expand(4, K, V)
+    p = torch.tensor([[1.0, 1.0], [5.0, 0.0], [-3.0, 1.0], [float("inf"), 0.0]])[:, None].expand(4, K + 1, V)
+    for method in ("token", "block", "target_only"):
+        for target in (p, torch.where(torch.arange(4)[:, None, None] == 3, float("nan"), p)):
+            res = ss.verify_chain(target, x, q if method != "target_only" else None, method=method, rng=ss.Philox(1))
+            e = res.expected_accepted
+            assert bool(((e >= 0) & (e <= K)).all()), (method, e)
+
+
 def test_full_validation_of_chain_values():
     p = torch.full((2, 3, 4), 0.25)
     q = torch.full((2, 2, 4), 0.25)

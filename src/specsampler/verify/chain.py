@@ -63,9 +63,10 @@ class ChainResult:
 
     @cached_property
     def expected_accepted(self) -> Tensor:
-        """Computed on first access (where the kernels ran, it reads rows they did not need)."""
+        """Computed on first access (where the kernels ran, it reads rows they did not need); in ``[0, K]``
+        whatever the inputs' values (rows that are not distributions make the formula's terms leave [0, 1])."""
         with torch.no_grad():
-            return self._expected().float()
+            return self._expected().float().nan_to_num(0.0).clamp_(0.0, self.tokens.shape[1] - 1)
 
     @property
     def num_emitted(self) -> Tensor:
