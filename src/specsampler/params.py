@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,14 +53,19 @@ def check_field(op: str, label: str, name: str, v):
     if isinstance(v, Tensor):
         check_tensor(op, label, v, kind=kind, ndim=(0, 1))
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    # any real number (NumPy's scalars included), not a bool
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
         fail(op, label, "a number or a 1-D tensor [B]", repr(v))
     if kind == "int":
         if not float(v).is_integer():
             fail(op, label, "an integer", repr(v))
         return min(max(int(v), _INT64[0]), _INT64[1])  # top-k past int64: off either way; fits the rows' tensors
+    big = isinstance(v, numbers.Integral) and abs(int(v)) >= 2**1024  # an integer past float64: off its range
+    v = (math.inf if v > 0 else -math.inf) if big else float(v)
     if not math.isfinite(v) or not _WITHIN[name](_float32(v)):
-        fail(op, label, want, v)
+        # a value inside the range may leave it as the float32 every row holds (past 3.4e38: inf; below 1.4e-45: 0)
+        held = f" (float32 holds it as {_float32(v)})" if math.isfinite(v) and _WITHIN[name](v) else ""
+        fail(op, label, want, f"{v}{held}")
     return v
 
 

@@ -14,6 +14,7 @@ and over a vocabulary split into shards (:mod:`specsampler.parallel`).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,8 +89,9 @@ def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.
             check_shape(op, name, v, (batch,), "[B]")
         check_host_or(op, name, v, device)
         return v.to(device=device, dtype=torch.int64).expand(batch)
-    if isinstance(v, bool) or not isinstance(v, int):
-        fail(op, name, "an int or an int64 tensor [B]", type(v).__name__)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):  # NumPy's integers too
+        fail(op, name, "an int or an int64 tensor [B]", repr(v))
+    v = int(v)
     if not -(2**63) <= v < 2**63:
         fail(op, name, "a value that fits in int64", v)
     return constants.full(batch, v, torch.int64, device)

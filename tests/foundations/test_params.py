@@ -23,3 +23,26 @@ def test_a_scalar_is_accepted_exactly_where_its_float32_tensor_is(name):
             accepted = False
             assert f"SamplingParams.{name}" in str(err) and _FIELDS[name][3] in str(err)
         assert accepted == as_tensor, (name, v)
+
+
+def test_numpy_scalars_are_numbers_and_a_value_float32_cannot_hold_says_so():
+    import numpy as np
+
+    # NumPy's scalars (what arrays of per-request settings hand out) were refused as "not a number"
+    given = ss.SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9))
+    assert given == ss.SamplingParams(temperature=0.5, top_k=3, top_p=0.9)
+    x = torch.randn(2, 6)
+    assert torch.equal(ss.sample_from_logits(x, rng=ss.Philox(np.int64(3))).tokens,
+                       ss.sample_from_logits(x, rng=ss.Philox(3)).tokens)
+    for bad in (np.bool_(True), "3"):
+        with pytest.raises(ss.ValidationError, match="Philox.seed: expected an int or an int64 tensor"):
+            ss.sample_from_logits(x, rng=ss.Philox(bad))
+    # a value inside the range that float32 cannot hold: the message says what it became
+    with pytest.raises(ss.ValidationError, match=r"temperature: expected a finite value >= 0, got 1e\+39 \(float32 "
+                                                 r"holds it as inf\)"):
+        ss.SamplingParams(temperature=1e39)
+    with pytest.raises(ss.ValidationError, match=r"top_p: expected a value in \(0, 1\], got 1e-46 \(float32 holds it "
+                                                 r"as 0.0\)"):
+        ss.SamplingParams(top_p=1e-46)
+    with pytest.raises(ss.ValidationError, match=r"temperature: expected a finite value >= 0, got inf"):
+        ss.SamplingParams(temperature=10**400)  # past float64 too (it raised OverflowError)
