@@ -110,13 +110,16 @@ def _check(case: ChainCase, from_logits: bool):
     )
     bad_values = False
     if case.validate == "full":
-        used = torch.arange(K) < (torch.full((B,), K) if n is None else n.long().clamp(0, K))[:, None]
+        # what each request uses: its drafts (and their draft rows), and target rows up to its bonus row; the rest
+        # is padding, never read
+        nd = (torch.full((B,), K) if n is None else n.long().clamp(0, K))[:, None]
+        used, live = torch.arange(K) < nd, torch.arange(K + 1) <= nd
         x = drafts.long()
         bad_values = (
             bool((((x < 0) | (x >= V)) & used).any())
-            or (bad_logits(target) if from_logits else bad_probs(target))
-            or (q is not None and bad_probs(q))
-            or (from_logits and mask_has_empty_row(mask, shape))
+            or (bad_logits(target, live) if from_logits else bad_probs(target, live))
+            or (q is not None and bad_probs(q, used))
+            or (from_logits and mask_has_empty_row(mask, shape, live))
         )
     if from_logits:
         call = lambda: ss.verify_chain_from_logits(target, drafts, build_params(case.params), draft_probs=q,
