@@ -277,7 +277,7 @@ def test_bad_chain_inputs_are_named(kwargs, fragments):
         assert f in str(err.value), (f, str(err.value))
 
 
-@pytest.mark.parametrize("B", [1, 2, 9])
+@pytest.mark.parametrize("B", [2, 9])  # (request 0 is rejected: B = 1 would hold no request that accepts)
 def test_a_request_that_accepts_every_draft_draws_its_bonus_whatever_its_padding_rows_hold(B):
     # draft_probs rows past num_drafts are padding (torch.empty in an engine): a request that accepted its drafts
     # draws its bonus from p; NaN there made it p - NaN * 0, a row without mass, and token 0 of probability 0

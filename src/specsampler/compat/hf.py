@@ -102,11 +102,11 @@ def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_len
     V = new_logits.shape[2]
     if candidate_logits.shape[2] != V:
         fail(op, "candidate_logits", f"the vocabulary of new_logits ({V} logits a row)", candidate_logits.shape[2])
-    if isinstance(candidate_length, bool) or isinstance(candidate_length, Tensor) and candidate_length.numel() != 1:
-        fail(op, "candidate_length", "an integer", repr(candidate_length))
-    try:
-        K = operator.index(candidate_length)
+    try:  # an int, NumPy's or a one-value integer tensor (not a bool, a float or a wider tensor)
+        K = None if isinstance(candidate_length, bool) else operator.index(candidate_length)
     except TypeError:
+        K = None
+    if K is None:
         fail(op, "candidate_length", "an integer", repr(candidate_length))
     if not 0 <= K <= min(candidate_input_ids.shape[1], candidate_logits.shape[1], new_logits.shape[1] - 1):
         fail(op, "candidate_length", "at most the candidates in candidate_input_ids and candidate_logits, "

@@ -128,14 +128,14 @@ def _check_chain(op, target, target_name, draft_tokens, draft_probs, num_drafts,
     n = check_num_drafts(op, num_drafts, B, K, dev, full)
     x_raw = draft_tokens.long()
     if full:  # the rows and ids each request uses: those past its drafts (and past its bonus row) are padding
-        check_token_values(op, "draft_tokens", torch.where(drafted(n, K), x_raw, 0), V)
-        live = drafted(n, K1, bonus=True)[..., None]
+        used, live = drafted(n, K), drafted(n, K1, bonus=True)[..., None]
+        check_token_values(op, "draft_tokens", torch.where(used, x_raw, 0), V)
         if logits:
             check_logits_values(op, target_name, torch.where(live, target.float(), 0.0))
         else:
             check_probs_values(op, target_name, torch.where(live, target.float(), 1.0))
         if q is not None:
-            check_probs_values(op, "draft_probs", torch.where(drafted(n, K)[..., None], q.float(), 1.0))
+            check_probs_values(op, "draft_probs", torch.where(used[..., None], q.float(), 1.0))
     return ChainInputs(B, K, V, method, x_raw, n, q)
 
 
