@@ -103,8 +103,8 @@ def _same_on_every_rank(ranks, name):
 
 def test_greedy_sampling_equals_the_one_device_op_on_every_rank(ranks):
     """In one round: the argmax keys' all_reduce, or with 2 or more log-probabilities (here 3) the rows' best
-    candidates, as the one-device op keeps them (a row whose maximum is +inf has no mass: its token is then the
-    lowest id among them)."""
+    candidates, as the one-device op keeps them (a row whose maximum is +inf has no mass: its token is still the
+    argmax)."""
     got, want, calls = _same_on_every_rank(ranks, "sample")
     assert got == want
     assert len(calls) == 1

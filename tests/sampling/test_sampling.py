@@ -1,3 +1,4 @@
+import itertools
 import math
 from unittest import mock
 
@@ -545,10 +546,12 @@ def test_the_top_k_cut_on_cpu_equals_the_tensor_ops(seed):  # NumPy's steps, ATe
     for shared in (None, SP(top_p=0.7)):
         rp = RowParams(torch.ones(r), torch.full((r,), C), top_p if shared is None else torch.full((r,), 0.7),
                        min_p if shared is None else torch.zeros(r), shared)
-        want = _part_in_id_order(None, ids, *_cut_with_mass(w, ids, rp))
-        got = _cut_part_on_cpu(None, ids, w, rp)
-        assert torch.equal(got.ids, want.ids)
-        assert torch.equal(got.probs.view(torch.int32), want.probs.view(torch.int32))
+        for fallback in (None, ids[:, 0]):  # the token a row without mass draws: 0, or (greedy rows) its first
+            want = _part_in_id_order(None, ids, *_cut_with_mass(w, ids, rp), fallback)
+            got = _cut_part_on_cpu(None, ids, w, rp, fallback)
+            assert torch.equal(got.ids, want.ids)
+            assert torch.equal(got.probs.view(torch.int32), want.probs.view(torch.int32))
+            assert (got.ids[2] == (0 if fallback is None else fallback[2])).all()
     w[4, 0] = float("nan")
     assert _cut_part_on_cpu(None, ids, w, rp) is None  # NaN: the tensor ops
 
@@ -1096,6 +1099,42 @@ def test_a_batch_of_every_kind_draws_what_each_row_draws_alone(V):
         assert alone.tokens.item() == together.tokens[r].item(), r
         assert torch.equal(alone.logprobs, together.logprobs[r:r + 1]), r
     assert together.tokens[1].item() != 5  # the greedy choice never takes the NaN
+
+
+def _rows_without_mass(V: int) -> dict[str, torch.Tensor]:
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    x[0, 30], x[0, V - 3] = math.inf, math.inf  # two +inf logits, neither the lowest id of a top-k's candidates
+    x[1] = math.nan
+    x[2, 4], x[2, 7] = math.nan, math.nan  # NaN among finite logits: no mass unless greedy (NaN never its argmax)
+    x[3] = -math.inf
+    return dict(zip(("+inf", "all NaN", "some NaN", "all -inf"), x))
+
+
+@pytest.mark.parametrize("V", [64, 8192])
+def test_a_row_without_mass_draws_0_or_its_argmax_beside_any_neighbour(V):
+    # a greedy or top-k row is held by the batch's largest-k candidates: without mass it still draws token 0 (as a
+    # dense row does), a greedy row its argmax (as greedy rows alone do), whatever candidates its neighbours leave
+    kinds = {"greedy": SP(temperature=0.0), "top-1": SP(top_k=1), "top-3": SP(top_k=3),
+             "top-3 + top-p": SP(temperature=0.7, top_k=3, top_p=0.8), "top-p": SP(top_p=0.9)}
+    neighbours = [SP(top_k=5), SP(top_k=40), SP(temperature=0.0), SP(top_p=0.5)]
+    other = torch.randn(1, V, generator=torch.Generator().manual_seed(2))
+    fields = ("temperature", "top_k", "top_p", "min_p")
+    both = lambda a, b: SP(*(torch.tensor([getattr(a, f), getattr(b, f)]) for f in fields))  # noqa: E731
+    for (name, row), (kind, p) in itertools.product(_rows_without_mass(V).items(), kinds.items()):
+        want = torch.where(row.isnan(), -math.inf, row).argmax().item() if kind == "greedy" else 0
+        alone = ss.sample_from_logits(row[None], p, ss.Philox(torch.tensor([7])))
+        assert alone.tokens.item() == want, (name, kind)
+        for nb in neighbours:
+            for first in (True, False):
+                x = torch.stack([row, other[0]] if first else [other[0], row])
+                params, seeds = (both(p, nb), [7, 9]) if first else (both(nb, p), [9, 7])
+                out = ss.sample_from_logits(x, params, ss.Philox(torch.tensor(seeds)))
+                chain = ss.verify_chain_from_logits(x[:, None], torch.zeros(2, 0, dtype=torch.long), params,
+                                                    method="target_only", rng=ss.Philox(torch.tensor(seeds)))
+                at = 0 if first else 1
+                assert out.tokens[at].item() == want, (name, kind, nb)
+                assert out.logprobs[at].item() == alone.logprobs.item(), (name, kind, nb)
+                assert chain.tokens[at, 0].item() == want, (name, kind, nb)
 
 
 def test_a_batch_of_every_kind_takes_each_kind_s_own_path(monkeypatch):

@@ -112,8 +112,7 @@ def _bounded(x: Tensor, rp: RowParams, shard: VocabShard, reads, greedy: Tensor,
     vals, cand = local_best(x, C, shard, float("-inf"))
     got = yield [vals, cand]
     allv, alli = merged(*got.parts)
-    part = _bounded_part(None, allv, rp, greedy, True, min_candidates)
-    part = Part(None, alli.gather(1, part.ids), part.probs)
+    part = _bounded_part(None, allv, rp, greedy, True, min_candidates, columns=alli)
     r = x.shape[0]
     probs = torch.zeros_like(x)
     owned = (part.ids >= shard.start) & (part.ids < shard.end)

@@ -21,7 +21,8 @@ class Part:
 
     rows: int64 ``[r]``, which of the ``R`` rows these are, or ``None`` for all of them.
     ids: int64 ``[r, C]``: each row's candidate tokens in increasing id order, padded with
-        id 0 at probability 0; or ``None`` when the rows are dense.
+        id 0 at probability 0 (a row without mass: every id the token it draws, 0 or a greedy row's argmax);
+        or ``None`` when the rows are dense.
     probs: float32 ``[r, C]`` aligned with ``ids``, or ``[r, V]``: normalised, 0 outside the
         kept set (a row whose kept set has no mass, e.g. all masked, is all 0).
     positive: every row has mass, no value outside [0, 1] (:func:`.masses.sample_processed` draws them).

@@ -225,13 +225,16 @@ def _candidate_weights(vals: Tensor, temperature: Tensor, logits: bool, shared: 
     return _weights(vals, vals[:, :1], temperature, logits, shared=shared)
 
 
-def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor, mass: Tensor | None = None) -> Part:
+def _part_in_id_order(rows: Tensor | None, ids: Tensor, weights: Tensor, mass: Tensor | None = None,
+                      fallback: Tensor | None = None) -> Part:
     """The candidates ``ids`` with their kept ``weights`` (in (logit desc, id asc) order: the kept
     ones first), normalised in that order, where a row's sum does not see how many candidates
     the widest row of the batch took, then put in id order. ``mass``: the kept weights' row masses
-    ``[r, 1]`` when the caller has them (:func:`_cut_with_mass`)."""
+    ``[r, 1]`` when the caller has them (:func:`_cut_with_mass`). A row without mass holds its ``fallback``
+    (int64 ``[r]``; default 0) as every id: its draw (:class:`Part`)."""
     ids, perm = ids.sort(dim=-1)
     mass = row_mass(weights, keepdim=True) if mass is None else mass
+    ids = torch.where(mass > 0, ids, 0 if fallback is None else fallback[:, None])
     return Part(rows, ids, divide_by_(weights, mass).gather(1, perm))
 
 
@@ -256,8 +259,9 @@ def _min_p_normalise_(w: Tensor, rp: RowParams, w_max: Tensor, rows: Tensor | No
     return _normalise_(w) if mass is None else divide_by_(w, mass[:, None])
 
 
-def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
-    """Greedy and top-k rows: their k (1 for greedy) most likely tokens."""
+def _bounded_part(rows, x, rp, greedy, logits, min_candidates, columns: Tensor | None = None) -> Part:
+    """Greedy and top-k rows: their k (1 for greedy) most likely tokens. ``columns``: int64 ``[r, C]``, the token
+    ids of ``x``'s columns, increasing (default: ``0 .. C - 1``)."""
     shared = rp.shared  # every row's parameters, known on the host: no reads of the tensors
     mixed = shared is None or (logits and shared.temperature == 0)  # greedy rows among them
     if not mixed:  # every row top-k: shared.top_k of them
@@ -273,18 +277,24 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates) -> Part:
         if bool(nan.any()):
             rows_nan = nan.nonzero()[:, 0]
             vals[rows_nan], ids[rows_nan] = ordered_prefix(nan_as_minus_inf(x[rows_nan]), n)
+    if columns is not None:
+        ids = columns.gather(1, ids)
     w = _candidate_weights(vals, temperature, logits, shared=isinstance(keep_n, int))
     if not isinstance(keep_n, int) or keep_n < w.shape[1]:  # candidates past a row's k: weight 0
         keep_n = keep_n if isinstance(keep_n, int) else keep_n[:, None]
         w = torch.where(torch.arange(w.shape[1], device=x.device) < keep_n, w, 0.0)
-    part = _cut_part_on_cpu(rows, ids, w, rp) if w.device.type == "cpu" else None
-    return part if part is not None else _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))
+    # a row without mass draws 0 (as a dense row does), a greedy row its argmax (as greedy rows alone do): whatever
+    # candidates the batch's largest k leaves it (promise 3)
+    fallback = torch.where(greedy, ids[:, 0], 0) if logits and mixed and n else None
+    part = _cut_part_on_cpu(rows, ids, w, rp, fallback) if w.device.type == "cpu" else None
+    return part if part is not None else _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp), fallback)
 
 
-def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams) -> Part | None:
-    """``_part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp))`` on CPU, the same arithmetic in NumPy: on a
-    few dozen candidates a row its ops cost a fraction of ATen's, and each is exact (integers in float64, one
-    float32 division), so the numbers are the same (tested). None where a weight is NaN (a temperature so small
+def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams,
+                     fallback: Tensor | None = None) -> Part | None:
+    """``_part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp), fallback)`` on CPU, the same arithmetic in
+    NumPy: on a few dozen candidates a row its ops cost a fraction of ATen's, and each is exact (integers in float64,
+    one float32 division), so the numbers are the same (tested). None where a weight is NaN (a temperature so small
     that ``log2(e) / T`` overflows): NaN orders otherwise in NumPy's sorts.
 
     w: float32 ``[r, C]``, weights in [0, 1] in (logit desc, id asc) order; ids: int64, distinct in a row."""
@@ -315,7 +325,8 @@ def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams)
     # masses.divide_by_: the row's mass as a float32 weight (rounded once), rows without mass 0
     probs = kept / np.where(mass > 0, (mass / 2.0**MASS_BITS).astype(np.float32), np.float32(np.inf))
     by_id = np.argsort(idn, axis=-1) + np.arange(idn.shape[0])[:, None] * idn.shape[1]  # flat indices, in id order
-    return Part(rows, torch.from_numpy(idn.reshape(-1)[by_id]), torch.from_numpy(probs.reshape(-1)[by_id]))
+    ids_by_id = np.where(mass > 0, idn.reshape(-1)[by_id], 0 if fallback is None else fallback.numpy()[:, None])
+    return Part(rows, torch.from_numpy(ids_by_id), torch.from_numpy(probs.reshape(-1)[by_id]))
 
 
 def _plain_part(rows, x, rp, logits) -> Part:
