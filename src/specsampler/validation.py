@@ -111,10 +111,9 @@ def check_no_bad(op: str, name: str, bad: Tensor, values: Tensor, expected: str)
     b = first_request(bad)
     if b is None:
         return
-    row_bad, row_vals = bad[b].reshape(-1), values[b].reshape(-1)
-    j = int(torch.nonzero(row_bad)[0, 0])
-    pos = "" if values.dim() <= 1 else f" at flat position {j}"
-    fail(op, name, expected, f"{row_vals[j].item()}{pos}", request=b)
+    at = torch.nonzero(bad[b])[0].tolist()  # the first offending index inside the request (row-major)
+    pos = "" if values.dim() <= 1 else f" at index {at}"
+    fail(op, name, expected, f"{values[b][tuple(at)].item()}{pos}", request=b)
 
 
 def check_probs_values(op: str, name: str, probs: Tensor) -> None:

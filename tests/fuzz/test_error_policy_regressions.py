@@ -144,7 +144,7 @@ def test_an_empty_vocab_mask_row_is_quoted_by_its_count_of_allowed_tokens():
     mask = torch.ones(2, 3, 5, dtype=torch.bool)
     mask[1, 2] = False
     with pytest.raises(ss.ValidationError, match=r"vocab_mask: expected at least one allowed token per row, got 0 "
-                                                  r"at flat position 2 \(request 1\)"):
+                                                  r"at index \[2\] \(request 1\)"):
         ss.sample_from_logits(torch.randn(2, 3, 5), vocab_mask=mask, validate="full")
 
 
@@ -171,7 +171,7 @@ def test_full_validation_of_tree_logits_skips_the_rows_of_absent_nodes():
     assert 0 <= int(res.tokens[0, res.num_accepted[0]]) < 4
     logits[0, 1, 0] = float("nan")
     with pytest.raises(ss.ValidationError, match=r"verify_tree_from_logits: target_logits: expected logits without "
-                                                  r"NaN or \+inf, got nan at flat position 4 \(request 0\)"):
+                                                  r"NaN or \+inf, got nan at index \[1, 0\] \(request 0\)"):
         ss.verify_tree_from_logits(logits, torch.tensor([[0, 1, 9]]), tree, method="target_only", rng=ss.Philox(0),
                                    validate="full")
 
