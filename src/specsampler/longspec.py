@@ -12,22 +12,44 @@ its ancestors; ``output_ids[b, i]`` is the target's argmax after node i; in
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import torch
 from torch import Tensor
 
 from .params import SamplingParams
 from .rng import Philox, check_rng
-from .validation import check_device, check_mode, check_no_bad, check_shape, check_tensor, fail, values_checkable
+from .validation import (
+    check_device,
+    check_logits_values,
+    check_mode,
+    check_no_bad,
+    check_shape,
+    check_tensor,
+    check_token_values,
+    fail,
+    values_checkable,
+)
 from .verify.kv import Cache, compact_kv
 from .verify.token_tree import TokenTree
 from .verify.tree import verify_tree_from_logits
 
 
+def _integer(op: str, name: str, value: object, expected: str) -> int:
+    """``value`` as an int: any integer (NumPy's too), not a bool."""
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    fail(op, name, expected, type(value).__name__)
+
+
 def _tree(op: str, tree_mask: Tensor) -> TokenTree:
     check_tensor(op, "tree_mask", tree_mask, kind="float" if tree_mask.dtype.is_floating_point else
                  ("bool" if tree_mask.dtype == torch.bool else "int"), ndim=3)
-    return TokenTree.from_mask(tree_mask != 0)
+    return TokenTree._from_mask(tree_mask != 0, op, "tree_mask")
 
 
 @torch.no_grad()
@@ -69,8 +91,8 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
         if non_leaf_len.dim():
             check_shape(op, "non_leaf_len", non_leaf_len, (B,), "[B]")
         check_device(op, "non_leaf_len", non_leaf_len, input_ids.device)
-    elif not isinstance(non_leaf_len, int) or isinstance(non_leaf_len, bool):
-        fail(op, "non_leaf_len", "an int or an integer tensor [] or [B]", type(non_leaf_len).__name__)
+    else:
+        non_leaf_len = _integer(op, "non_leaf_len", non_leaf_len, "an int or an integer tensor [] or [B]")
     if values_checkable(cache_lens, full):
         check_no_bad(op, "cache_lens", cache_lens < 0, cache_lens, "lengths >= 0")
     mask = tree.mask()
@@ -121,10 +143,21 @@ def verify_stochastic(input_ids: Tensor, tree_mask: Tensor, p_llm: Tensor, p_ssm
     for name, t in (("p_llm", p_llm), ("p_ssm", p_ssm)):
         check_tensor(op, name, t, kind="float", ndim=3)
         check_shape(op, name, t, (B, N, p_llm.shape[-1]), "[B, N, V]")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
-        fail(op, "temperature", "a finite number > 0 (greedy verification is tree_verification)", repr(temperature))
+    want = "a finite number > 0 (greedy verification is tree_verification)"
+    if isinstance(temperature, Tensor) and temperature.dim() == 0 and temperature.dtype != torch.bool:
+        temperature = temperature.item()  # a 0-d tensor, as LongSpec divides by
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
+        fail(op, "temperature", want, repr(temperature))
     if draft_sampling not in ("deterministic", "iid", "without_replacement"):
         fail(op, "draft_sampling", "one of ('deterministic', 'iid', 'without_replacement')", repr(draft_sampling))
+    if check_mode(op, validate):  # the rows the op reads, named as given (the op below reads derived tensors)
+        present = (tree.depth >= 0).to(p_llm.device)
+        drafted = present & (tree.parents >= 0).to(p_llm.device)
+        check_logits_values(op, "p_llm", p_llm.masked_fill(~present[..., None], 0.0))
+        check_token_values(op, "input_ids", input_ids.masked_fill(~drafted, 0), p_llm.shape[-1])
+        if draft_sampling != "deterministic":  # each drafted node's parent's draft row
+            read = torch.zeros_like(drafted).scatter_(1, tree.parents.clamp(min=0).to(p_llm.device), drafted)
+            check_logits_values(op, "p_ssm", p_ssm.masked_fill(~read[..., None], 0.0))
     params = SamplingParams(temperature=float(temperature))
     if draft_sampling == "deterministic":
         res = verify_tree_from_logits(p_llm, input_ids, tree, params, method="target_only", rng=rng,

@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 import torch
 from stats import assert_counts_match
 
+import specsampler as ss
 from conftest import mc_trials
 from specsampler import TokenTree, longspec, oracle
 from specsampler.verify.exactness import Table, encode, encode_dist, random_model, shape_parents, tree_inputs
@@ -112,7 +114,7 @@ def test_longspec_bad_inputs_are_named():
         longspec.tree_verification(x, torch.zeros(1, 2, dtype=torch.long), mask, torch.zeros(1, dtype=torch.long), 1)
     bad = mask.clone()
     bad[0, 0, 0] = False
-    with pytest.raises(ValueError, match=r"TokenTree.from_mask: mask\[0, 0\]"):
+    with pytest.raises(ValueError, match=r"longspec.tree_verification: tree_mask\[0, 0\]"):
         longspec.tree_verification(x, x, bad, torch.zeros(1, dtype=torch.long), 1)
 
 
@@ -138,3 +140,40 @@ def test_tree_verification_takes_validate_and_checks_cache_lens_with_it():
         longspec.tree_verification(x, x, mask, torch.full((1,), -1), 1, validate="full")
     with pytest.raises(ValueError, match=r"tree_verification: validate: expected one of"):
         longspec.tree_verification(x, x, mask, torch.zeros(1, dtype=torch.long), 1, validate="some")
+
+
+def test_full_validation_names_the_caller_s_tensors_and_indices():
+    # the values were checked inside verify_tree_from_logits: its name, draft_probs derived from p_ssm (another index)
+    mask = TokenTree.from_parents(torch.tensor([[-1, 0, 1]])).mask()
+    x, p = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, 5)
+    q = p.clone()
+    q[0, 1, 2] = float("nan")  # node 1's draft row: its child node 2 was drawn from it
+    with pytest.raises(ValueError, match=r"verify_stochastic: p_ssm: expected logits without NaN or \+inf, got nan "
+                                         r"at index \[1, 2\] \(request 0\)"):
+        longspec.verify_stochastic(x, mask, p, q, 1.0, draft_sampling="iid", validate="full")
+    q[0, 1, 2], q[0, 2, 0] = 0.0, float("nan")  # the leaf's row is never read
+    longspec.verify_stochastic(x, mask, p, q, 1.0, draft_sampling="iid", validate="full")
+    with pytest.raises(ValueError, match=r"verify_stochastic: input_ids: expected token ids in \[0, 5\), got 9 "
+                                         r"at index \[1\]"):
+        longspec.verify_stochastic(torch.tensor([[0, 9, 1]]), mask, p, p, 1.0, validate="full")
+    llm = p.clone()
+    llm[0, 2, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"verify_stochastic: p_llm: expected logits without NaN or \+inf, got inf "
+                                         r"at index \[2, 4\]"):
+        longspec.verify_stochastic(x, mask, llm, p, 1.0, validate="full")
+
+
+def test_numpy_and_tensor_scalars_are_taken_as_numbers():
+    mask = TokenTree.from_parents(torch.tensor([[-1, 0, 0]])).mask()
+    g = torch.Generator().manual_seed(3)
+    ids, p_llm, p_ssm = torch.tensor([[0, 1, 2]]), torch.randn(1, 3, 5, generator=g), torch.randn(1, 3, 5, generator=g)
+    want = longspec.verify_stochastic(ids, mask, p_llm, p_ssm, 0.5, draft_sampling="iid", rng=ss.Philox(4))
+    for t in (np.float32(0.5), torch.tensor(0.5)):
+        got = longspec.verify_stochastic(ids, mask, p_llm, p_ssm, t, draft_sampling="iid", rng=ss.Philox(4))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    out = torch.tensor([[1, 2, 3]])
+    want = longspec.tree_verification(ids, out, mask, torch.zeros(1, dtype=torch.long), 1)
+    got = longspec.tree_verification(ids, out, mask, torch.zeros(1, dtype=torch.long), np.int64(1))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match=r"non_leaf_len: expected an int or an integer tensor"):
+        longspec.tree_verification(ids, out, mask, torch.zeros(1, dtype=torch.long), 1.5)

@@ -570,6 +570,13 @@ def _verify_call(**change):
         method=args.get("method", "rrs"), draft_sampling=args.get("draft_sampling", "iid"))
 
 
+def test_full_validation_of_verification_skips_the_roots_draft_rows():
+    draft = torch.full((5, 4), 0.25)
+    draft[[0, 3]] = math.nan  # a root's token was not drafted: its row is never read
+    results, last = _verify_call(draft_probs=draft, validate="full")()
+    assert len(results) == 2 and len(last) == 2
+
+
 def _sample_call(**change):
     args = dict(probs=torch.full((3, 4), 0.25), sample_indices=[0, 2], request_ids=["a", "b"],
                 generation_cfg=[GenerationConfig()] * 2, rngs=[RandomGenerator(0), RandomGenerator(1)])
@@ -604,6 +611,13 @@ def _sample_call(**change):
     (_verify_call(token_tree_parent_ptr=[0, 0, 0, -1, 0]),
      ["token_tree_parent_ptr[0] (node 0): expected -1 (node 0 is the request's root), got 0"]),
     (_verify_call(token_tree_parent_ptr=[-1, 0, 0, -1]), ["token_tree_parent_ptr: expected 5 entries"]),
+    (_verify_call(probs=torch.full((5, 4), 0.25).index_put_((torch.tensor(4), torch.tensor(1)), torch.tensor(math.nan)),
+                  validate="full"),  # named in the caller's flat layout, not verify_tree's padded one
+     ["batch_verify_draft_tokens_with_prob_after_top_p: probs: expected finite probabilities, got nan at index "
+      "[4, 1] (request 1)"]),
+    (_verify_call(draft_probs=torch.full((5, 4), 0.25).index_put_((torch.tensor(4), torch.tensor(2)),
+                                                                  torch.tensor(-1.0)), validate="full"),
+     ["draft_probs: expected probabilities >= 0, got -1.0 at index [4, 2] (request 1)"]),
     (_verify_call(draft_probs=None), ["draft_probs: expected a tensor [num_nodes, V] for method 'rrs', got None"]),
     (_verify_call(draft_probs=torch.ones(5, 3)), ["draft_probs: expected shape [num_nodes, V] (as probs) = [5, 4], "
                                                   "got [5, 3]"]),

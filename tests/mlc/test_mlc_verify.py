@@ -419,6 +419,20 @@ def test_a_failed_validation_modifies_nothing():
     assert torch.equal(case[2], model) and torch.equal(case[6], roots)
 
 
+def test_buffers_made_under_inference_mode_are_written_outside_it():
+    # torch refuses in-place writes to inference tensors outside inference mode: the op raised its RuntimeError
+    # after writing model_probs, with the pointers not written
+    want = list(small_case())
+    call(want)
+    for which in (2, 6):  # model_probs, token_tree_parent_ptr
+        case = list(small_case())
+        with torch.inference_mode():
+            case[which] = case[which].clone()
+        call(case)
+        assert case[which].is_inference()
+        assert torch.equal(case[2], want[2]) and torch.equal(case[6], want[6])
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu():
     case = make_case(1000, "binary", 9)

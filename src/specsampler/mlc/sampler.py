@@ -78,6 +78,19 @@ def _top_list(ids: list[int], probs: list[float], count: int) -> list[tuple[int,
     return [(int(t), p) for t, p in zip(ids[:count], probs[:count])]
 
 
+def _check_flat_probs(op: str, name: str, probs: Tensor, read: Tensor | None, cum: Tensor) -> None:
+    """``validate="full"``'s checks of ``probs`` float ``[num_nodes, V]`` at the rows ``read`` (bool ``[num_nodes]``;
+    None: all), quoting the first bad value at its ``[row, token]`` and its request (``cum``: int64 ``[B + 1]``)."""
+    p = probs.float()
+    for bad, expected in ((~torch.isfinite(p), "finite probabilities"), (p < 0, "probabilities >= 0")):
+        if read is not None:
+            bad &= read.to(p.device)[:, None]
+        if bool(bad.any()):
+            g, t = torch.nonzero(bad)[0].tolist()
+            fail(op, name, expected, f"{p[g, t].item()} at index [{g}, {t}]",
+                 request=int(torch.searchsorted(cum, torch.tensor([g]), right=True)[0]) - 1)
+
+
 class Sampler:
     """MLC-LLM's sampler: draws tokens from probabilities and verifies draft trees, a batch per call.
 
@@ -394,6 +407,11 @@ class Sampler:
             fail(op, "draft_probs", f"a tensor [num_nodes, V] for method {method!r}", "None")
         if B == 0:
             return [], []
+        if validate == "full":  # named in the caller's flat layout (verify_tree sees the rows padded per request)
+            _check_flat_probs(op, "probs", probs, None, cum)
+            if sampled:  # a root's draft row is never read
+                _check_flat_probs(op, "draft_probs", draft_probs, torch.ones(num_nodes, dtype=torch.bool).index_fill_(
+                    0, cum[:-1].clamp(max=max(num_nodes - 1, 0)), False), cum)
         counts = [_num_top(c) for c in cfgs]
         with self._traced(name, request_ids):
             dev, N = probs.device, int(lengths.max())

@@ -6,6 +6,8 @@ The rule and where it is lossy: docs/design.md, "Upstream entry points (MLC-LLM,
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -155,6 +157,18 @@ def batch_spec_verify(
         token_tree_parent_ptr,
         full,
     )
+    # buffers an engine made under torch.inference_mode are written as there (torch refuses in-place writes to them
+    # outside it: the op failed after writing model_probs, leaving the pointers behind)
+    outside = (model_probs.is_inference() or token_tree_parent_ptr.is_inference()) and \
+        not torch.is_inference_mode_enabled()
+    with torch.inference_mode() if outside else contextlib.nullcontext():
+        _verify(draft_probs, draft_tokens, model_probs, token_tree_first_child, token_tree_next_sibling,
+                uniform_samples, token_tree_parent_ptr)
+
+
+def _verify(draft_probs: Tensor, draft_tokens: Tensor, model_probs: Tensor, token_tree_first_child: Tensor,
+            token_tree_next_sibling: Tensor, uniform_samples: Tensor, token_tree_parent_ptr: Tensor) -> None:
+    """:func:`batch_spec_verify` of checked inputs."""
     num_nodes, V = draft_probs.shape
     if use_triton(model_probs.device):
         from ..kernels import ops

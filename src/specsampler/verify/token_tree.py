@@ -220,33 +220,37 @@ class TokenTree:
         ``mask[b, i, i]`` is False for an absent node (whose row and column are all False).
         Siblings are tried in increasing index.
         """
-        op = "TokenTree.from_mask"
-        check_tensor(op, "mask", mask, kind="bool", ndim=3)
-        check_readable(op, "mask", mask)
+        return cls._from_mask(mask, "TokenTree.from_mask", "mask")
+
+    @classmethod
+    def _from_mask(cls, mask: Tensor, op: str, name: str) -> TokenTree:
+        """:meth:`from_mask`, its errors naming ``op`` and the argument ``name`` (an entry point's own)."""
+        check_tensor(op, name, mask, kind="bool", ndim=3)
+        check_readable(op, name, mask)
         m = mask.detach().cpu()
         B, N, N2 = m.shape
         if N != N2 or N == 0:
-            fail(op, "mask", "shape [B, N, N] with N >= 1", shape_str(m.shape))
+            fail(op, name, "shape [B, N, N] with N >= 1", shape_str(m.shape))
         present = m.diagonal(dim1=1, dim2=2).clone()
-        _fail_at(op, ~present[:, :1], "mask", "True at [b, 0, 0] (node 0 is the root)", what="False")
+        _fail_at(op, ~present[:, :1], name, "True at [b, 0, 0] (node 0 is the root)", what="False")
         depth = m.sum(2) - 1  # ancestors count
         proper = m & ~torch.eye(N, dtype=torch.bool)
-        _fail_at(op, proper[:, 0], "mask", "no ancestor of the root (row 0 only True at column 0)",
+        _fail_at(op, proper[:, 0], name, "no ancestor of the root (row 0 only True at column 0)",
                  what="root row with True at column {i}")
-        _fail_at(op, (proper.any(2) | proper.any(1)) & ~present, "mask",
+        _fail_at(op, (proper.any(2) | proper.any(1)) & ~present, name,
                  "an absent node (mask[b, i, i] False) to have no other True in its row and column",
                  what="node {i} absent but in a row or column")
         root_missing = present & ~m[:, :, 0]
-        _fail_at(op, root_missing, "mask", "the root (column 0) among the ancestors of every node",
+        _fail_at(op, root_missing, name, "the root (column 0) among the ancestors of every node",
                  what="node {i} without the root as an ancestor")
         # The parent is the deepest proper ancestor; the ancestors of i must be its parent's plus i.
         cand = torch.where(proper, depth[:, None, :], -1)
         parents = torch.where(present & (torch.arange(N) > 0), cand.argmax(2), -1)
         expect = m.gather(1, parents.clamp(min=0)[:, :, None].expand(B, N, N)) | torch.eye(N, dtype=torch.bool)
         inconsistent = present & (torch.arange(N) > 0) & (expect != m).any(2)
-        _fail_at(op, inconsistent, "mask", "ancestor sets that form a chain from the root (a tree)",
+        _fail_at(op, inconsistent, name, "ancestor sets that form a chain from the root (a tree)",
                  what="row {i}, which is not its parent's row plus node {i}")
-        _fail_at(op, parents >= torch.arange(N), "mask", "a parent with a smaller index than its child",
+        _fail_at(op, parents >= torch.arange(N), name, "a parent with a smaller index than its child",
                  parents, what="node {i} whose parent is {v}")
         first_child, next_sibling = _links_from_parents(parents)
         return cls(parents, first_child, next_sibling, depth.where(present, -1), mask.device)
