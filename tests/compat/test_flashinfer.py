@@ -115,6 +115,16 @@ def test_top_k_renorm_keeps_exactly_k_with_ties_to_the_lower_id_in_the_input_dty
     torch.testing.assert_close(out[1].float(), probs[1].float(), rtol=1e-3, atol=1e-3)  # k >= V keeps all
 
 
+def test_top_k_renorm_probs_takes_flashinfers_is_deterministic():
+    """FlashInfer 0.7.2's third parameter (bitwise-reproducible sums there); the result here is the same either way."""
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(3)), -1)
+    expected = flashinfer.top_k_renorm_probs(probs, 5)
+    for fn in (flashinfer.top_k_renorm_probs, fs.top_k_renorm_prob):
+        assert torch.equal(fn(probs, 5, True), expected)
+        assert torch.equal(fn(probs, torch.full((4,), 5), is_deterministic=True), expected)
+        assert torch.equal(fn(probs, 5, is_deterministic=False), expected)
+
+
 def test_top_k_mask_logits_keeps_k_logits_and_their_values():
     logits = torch.tensor([[1.0, 3.0, 3.0, -2.0, float("-inf")], [0.5, float("-inf"), float("-inf"), 2.0, 1.0]])
     out = flashinfer.top_k_mask_logits(logits.bfloat16(), torch.tensor([2, 4]))
@@ -254,6 +264,32 @@ def test_softmax_applies_scalar_and_per_row_temperatures():
     torch.testing.assert_close(flashinfer.softmax(logits, temperature=t, enable_pdl=True),
                                torch.softmax(logits / t[:, None], -1))
     torch.testing.assert_close(flashinfer.softmax(logits, 0.7), torch.softmax(logits / 0.7, -1))
+
+
+def test_softmax_checks_its_temperature_as_flashinfer_0_7_2():
+    """FlashInfer 0.7.2's ``_validate_softmax_temperature``: a bool or a non-number is a ``TypeError``; a tensor
+    of another rank, length, device or dtype a ``ValueError`` with its message; None, ints, floats and
+    float16/bfloat16/float32/float64 tensors of one value per row are taken."""
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(8))
+    for bad in (True, False, "0.5", [1.0, 1.0, 1.0]):
+        with pytest.raises(TypeError, match="^temperature must be None, a real scalar, or a 1D floating-point tensor "
+                                            "with one value per logits row$"):
+            flashinfer.softmax(logits, temperature=bad)
+    cases = [(torch.tensor(1.0), r"^temperature tensor must be 1D with one value per logits row, got shape \(\)$"),
+             (torch.ones(3, 1), r"got shape \(3, 1\)$"),
+             (torch.ones(2), r"^temperature tensor length must equal logits.size\(0\) \(3\), got 2$"),
+             (torch.ones(3, device="meta"),
+              r"^temperature tensor must be on the same device as logits \(cpu\), got meta$"),
+             (torch.ones(3, dtype=torch.int64),
+              r"^temperature tensor must have dtype float16, bfloat16, float32, or float64, got torch.int64$")]
+    for temperature, message in cases:
+        with pytest.raises(ValueError, match=message):
+            flashinfer.softmax(logits, temperature)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        t = torch.tensor([0.5, 1.0, 2.0], dtype=dtype)
+        torch.testing.assert_close(flashinfer.softmax(logits, t), torch.softmax(logits / t.float()[:, None], -1))
+    torch.testing.assert_close(flashinfer.softmax(logits, 2), torch.softmax(logits / 2, -1))
+    torch.testing.assert_close(flashinfer.softmax(logits, np.float32(0.5)), torch.softmax(logits / 0.5, -1))
 
 
 # ----------------------------------------------------------------------------- chain speculative sampling

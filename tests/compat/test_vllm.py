@@ -308,6 +308,66 @@ def test_forward_applies_penalties_and_bad_words_per_draft_row():
     assert out.tolist() == [[3, 4, -1], [0, -1, -1]]
 
 
+# vLLM 0.33.0's SamplingMetadata (vllm/v1/sample/metadata.py), field by field in its order
+VLLM_0_33_SAMPLING_METADATA_FIELDS = [
+    "temperature", "all_greedy", "all_random", "top_p", "top_k", "generators", "max_num_logprobs", "no_penalties",
+    "prompt_token_ids", "frequency_penalties", "presence_penalties", "repetition_penalties", "output_token_ids",
+    "allowed_token_ids_mask", "bad_words_token_ids", "logitsprocs", "logprob_token_ids", "spec_token_ids",
+    "thinking_budget_state_holder"]
+
+
+def test_sampling_metadata_takes_the_fields_of_vllm_0_33_in_their_order():
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(vllm.SamplingMetadata)] == VLLM_0_33_SAMPLING_METADATA_FIELDS
+    sm = vllm.SamplingMetadata(logprob_token_ids={0: [1, 2]}, thinking_budget_state_holder=None)
+    assert sm.spec_token_ids is None and sm.thinking_budget_state_holder is None  # vLLM's defaults
+    assert sm.logprob_token_ids == {0: [1, 2]}
+
+
+class ForcingHolder:
+    """vLLM 0.33.0's ThinkingBudgetStateHolder interface (``has_tracked_requests``, ``apply_to_logits``), with its
+    layout: request b's rows follow those of the requests before it, as many as ``spec_token_ids[b]`` holds, and
+    a forced token at index i of request b raises row ``start_b + i`` to 1e9 where that row exists (index
+    ``len(spec_token_ids[b])`` is the bonus position, which vLLM's bonus sampler applies)."""
+
+    def __init__(self, forces):
+        self.forces, self.calls = forces, 0  # request -> (index, token)
+
+    def has_tracked_requests(self):
+        return bool(self.forces)
+
+    def apply_to_logits(self, logits, predict_bonus_token, spec_token_ids):
+        assert predict_bonus_token is False
+        self.calls += 1
+        starts = np.concatenate([[0], np.cumsum([len(s) for s in spec_token_ids])]).tolist()
+        for b, (index, token) in self.forces.items():
+            if b < len(spec_token_ids) and starts[b] + index < logits.shape[0]:
+                logits[starts[b] + index, token] = 1e9
+        return logits
+
+
+def test_the_thinking_budget_forces_its_tokens_on_each_requests_own_draft_rows():
+    """As vLLM 0.33.0, the holder's forced end-of-thinking tokens are applied to the draft rows (after the other
+    processors). Request 0's force at its draft 1 rejects that draft and emits the forced token; request 1's
+    force at its bonus position belongs to the bonus sampler: in vLLM's flat layout it lands on request 2's first
+    draft row, here it reaches no other request's rows, so request 2 verifies against its own logits."""
+    drafts = [[1, 2, 3], [2], [3, 3]]
+    logits = one_hot_logits([1, 2, 3, 0, 2, 4, 3, 3, 1])  # rows: 0 1 2 | bonus 3 | 4 | bonus 5 | 6 7 | bonus 8
+    sm = metadata(spec_token_ids=drafts)
+    plain = vllm.RejectionSampler(ArgmaxSampler())(spec_metadata(drafts), None, logits.clone(), sm)
+    assert plain.sampled_token_ids.tolist() == [[1, 2, 3, 0], [2, 4, -1, -1], [3, 3, 1, -1]]
+    holder = ForcingHolder({0: (1, 4), 1: (1, 0)})
+    sm.thinking_budget_state_holder = holder
+    out = vllm.RejectionSampler(ArgmaxSampler())(spec_metadata(drafts), None, logits.clone(), sm)
+    assert holder.calls == 1
+    assert out.sampled_token_ids.tolist() == [[1, 4, -1, -1], [2, 4, -1, -1], [3, 3, 1, -1]]
+    idle = ForcingHolder({})  # a holder tracking no request is not applied
+    sm.thinking_budget_state_holder = idle
+    vllm.RejectionSampler(ArgmaxSampler())(spec_metadata(drafts), None, logits.clone(), sm)
+    assert idle.calls == 0
+
+
 # ------------------------------------------------------------------------------------- lossy modes
 
 
@@ -337,6 +397,93 @@ def test_fly_defers_an_uncertain_rejection_followed_by_accepted_drafts():
     assert fly(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids.tolist() == [[1, 2, 3, 4]]
     standard = vllm.RejectionSampler(ArgmaxSampler())
     assert standard(spec_metadata(drafts), None, logits, metadata()).sampled_token_ids.tolist() == [[0, -1, -1, -1]]
+
+
+def fly_entropy_case():
+    """One greedy request, drafts 1..5 against argmaxes 9 2 3 8 5; row 0 holds 0.9 on token 9 and 0.025 on four
+    others: the entropy of its 3 largest probabilities is 0.279, of its 5 largest 0.464."""
+    logits = torch.full((6, 10), -100.0)
+    logits[0, 9] = float(np.log(0.9))
+    logits[0, [0, 1, 4, 5]] = float(np.log(0.025))
+    for row, token in enumerate([2, 3, 8, 5, 6], start=1):
+        logits[row, token] = 100.0
+    return [[1, 2, 3, 4, 5]], logits
+
+
+def test_fly_entropy_counts_the_configured_number_of_largest_probabilities():
+    """vLLM 0.33.0's ``fly_entropy_top_k`` (SpeculativeConfig, default 3): at threshold 0.3 the top-3 entropy
+    (0.279) keeps the rejection of draft 0; the top-5 entropy (0.464) defers it and the next two drafts follow."""
+    drafts, logits = fly_entropy_case()
+    outputs = {}
+    for top_k in (None, 3, 5):
+        config = dict(rejection_sample_method="fly", fly_window_size=2, fly_entropy_threshold=0.3)
+        if top_k is not None:
+            config["fly_entropy_top_k"] = top_k
+        sampler = vllm.RejectionSampler(ArgmaxSampler(), Config(**config))
+        assert sampler.fly_entropy_top_k == (3 if top_k is None else top_k)
+        outputs[top_k] = sampler(spec_metadata(drafts), None, logits.clone(), metadata()).sampled_token_ids.tolist()
+    assert outputs[None] == outputs[3] == [[9, -1, -1, -1, -1, -1]]
+    assert outputs[5] == [[1, 2, 3, 8, -1, -1]]
+    n, cu = flat([5])
+    x = torch.tensor(drafts[0], dtype=torch.int32)
+    for top_k, expected in ((3, outputs[3]), (5, outputs[5])):
+        got = vllm.rejection_sample(x, n, 5, cu, None, logits[:5], torch.tensor([[6]]), metadata(), False, None,
+                                    False, 2, 0.3, top_k)
+        assert got.tolist() == expected
+    with pytest.raises(ValueError, match="fly_entropy_top_k must be greater than zero"):
+        vllm.rejection_sample(x, n, 5, cu, None, logits[:5], torch.tensor([[6]]), metadata(),
+                              fly_window_size=2, fly_entropy_threshold=0.3, fly_entropy_top_k=0)
+
+
+def test_fly_with_synthetic_mode_or_without_a_threshold_raises_a_value_error():
+    x, logits, bonus = torch.tensor([1, 2], dtype=torch.int32), one_hot_logits([1, 2]), torch.tensor([[3]])
+    n, cu = flat([2])
+    with pytest.raises(ValueError, match="^FLy is incompatible with synthetic rejection sampling$"):
+        vllm.rejection_sample(x, n, 2, cu, None, logits, bonus, metadata(), True, torch.ones(2),
+                              fly_window_size=1, fly_entropy_threshold=0.0)
+    with pytest.raises(ValueError, match="rejection_sample: fly_entropy_threshold"):  # vLLM asserts
+        vllm.rejection_sample(x, n, 2, cu, None, logits, bonus, metadata(), fly_window_size=1)
+    # without FLy, None is the default (vLLM 0.33.0's), and the sampler keeps it
+    assert vllm.rejection_sample(x, n, 2, cu, None, logits, bonus, metadata()).tolist() == [[1, 2, 3]]
+    assert vllm.RejectionSampler(ArgmaxSampler()).fly_entropy_threshold is None
+
+
+def test_the_samplers_use_fp64_gumbel_draws_the_recovered_tokens_exponentials_in_float64(monkeypatch):
+    """vLLM 0.33.0 reads ``use_fp64_gumbel`` from its Sampler and passes it to ``rejection_sample``, which draws
+    the recovered tokens' exponentials in float64 with it. A seeded sampled request rejected by the synthetic mode
+    emits the recovered token of the float64 race on its generator's stream (after its uniforms)."""
+    V, draws = 64, []
+    recover = vllm.sample_recovered_tokens
+
+    def spy(*args, **kwargs):
+        e = recover(*args, **kwargs)
+        draws.append(args[8] if len(args) > 8 else kwargs.get("use_fp64_gumbel", False))
+        return e
+
+    monkeypatch.setattr(vllm, "sample_recovered_tokens", spy)
+    for seed in range(4):
+        logits = torch.randn(2, V, generator=torch.Generator().manual_seed(100 + seed))
+        residual = logits[:1].softmax(-1, dtype=torch.float32)
+        residual[0, 1] = 0.0  # the draft (q one-hot at it)
+        g = torch.Generator().manual_seed(seed)
+        torch.empty(1, dtype=torch.float64).uniform_(generator=g)
+        e = torch.empty(V, dtype=torch.float64).exponential_(generator=g)
+        sampler = ArgmaxSampler()
+        sampler.use_fp64_gumbel = True
+        reject_all = vllm.RejectionSampler(sampler, Config(rejection_sample_method="synthetic",
+                                                           synthetic_acceptance_rates=[0.0]))
+        sm = metadata(temperature=torch.ones(1), generators={0: torch.Generator().manual_seed(seed)})
+        out = reject_all(spec_metadata([[1]]), None, logits, sm).sampled_token_ids
+        assert out.tolist() == [[int((residual[0] * e.reciprocal()).argmax()), -1]], seed
+    assert draws == [True] * 4
+    n, cu = flat([1])
+    vllm.rejection_sample(torch.tensor([1], dtype=torch.int32), n, 1, cu, None, torch.randn(1, V),
+                          torch.tensor([[0]]), metadata(temperature=torch.ones(1)), True, torch.zeros(1), True)
+    assert draws[-1] is True
+    vllm.RejectionSampler(ArgmaxSampler(), Config(rejection_sample_method="synthetic",
+                                                  synthetic_acceptance_rates=[0.0]))(
+        spec_metadata([[1]]), None, torch.randn(2, V), metadata(temperature=torch.ones(1)))
+    assert draws[-1] is False  # a sampler without the attribute: False, as vLLM's getattr default
 
 
 def test_lossy_modes_on_sampled_requests_of_unequal_draft_counts_take_each_requests_own_rows():
@@ -383,6 +530,25 @@ def test_fly_defers_a_rejection_followed_by_its_window_of_acceptances_in_each_re
 
 
 # ------------------------------------------------------------------------------------- errors
+
+
+def test_rejection_sample_takes_vllm_0_33s_arguments_in_their_positions_and_verify_method_by_keyword():
+    import inspect
+
+    params = inspect.signature(vllm.rejection_sample).parameters
+    assert list(params)[:14] == [
+        "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs", "target_logits",
+        "bonus_token_ids", "sampling_metadata", "synthetic_mode", "synthetic_conditional_rates", "use_fp64_gumbel",
+        "fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k"]
+    assert [params[k].default for k in list(params)[8:14]] == [False, None, False, None, None, 3]
+    assert params["verify_method"].kind is inspect.Parameter.KEYWORD_ONLY
+    x, logits = torch.tensor([1, 2], dtype=torch.int32), one_hot_logits([1, 2])
+    n, cu = flat([2])
+    args = (x, n, 2, cu, None, logits, torch.tensor([[3]]), metadata())
+    assert vllm.rejection_sample(*args, False, None, True, None, None, 3).tolist() == [[1, 2, 3]]
+    # the call of vLLM's commit 974eaf34, verify_method 11th, now lands on use_fp64_gumbel: refused, not misread
+    with pytest.raises(ValueError, match="rejection_sample: use_fp64_gumbel: expected a bool"):
+        vllm.rejection_sample(*args, False, None, "block")
 
 
 def test_bad_arguments_raise_value_errors_naming_them():

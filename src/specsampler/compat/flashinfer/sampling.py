@@ -1,12 +1,15 @@
-"""FlashInfer's sampling API (``flashinfer.sampling``) on specsampler's ops.
+"""FlashInfer's sampling API (``flashinfer.sampling``, FlashInfer 0.7.2) on specsampler's ops.
 
 Every function keeps FlashInfer's signature, defaults, output dtypes and tuple returns, and maps onto one
 public specsampler op (named in its docstring). What stays as in FlashInfer (dtypes, ``indices``, NaN rows,
-parameter and seed checks) and where it differs (every row's seed honoured, exact top-k ties, parameters read
-at the input row, no C++ errors): docs/design.md, "Drop-in compatibility per peer", ``compat.flashinfer``.
+parameter, seed and softmax-temperature checks, one seed/offset pair per output) and where it differs (an
+output's stream keyed by its seed and offset alone, not its position; exact top-k ties; parameters read at
+the input row; no C++ errors): docs/design.md, "Drop-in compatibility per peer", ``compat.flashinfer``.
 """
 
 from __future__ import annotations
+
+from numbers import Real
 
 import torch
 from torch import Tensor
@@ -69,6 +72,36 @@ def _check_param(param: object, rows: int) -> None:
     if param.size(0) != rows:
         raise ValidationError(f"Sampling parameter tensor batch size mismatch: expected length {rows} to match the "
                               f"reference tensor batch size, but got length {param.size(0)}.")
+
+
+_SOFTMAX_TEMPERATURE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _softmax_temperature(logits: Tensor, temperature: object) -> float | Tensor:
+    """FlashInfer 0.7.2's checks of ``softmax``'s temperature, in its order and with its messages: None (1),
+    a real scalar (not a bool), or a float tensor ``[B]`` on the logits' device; returns it as specsampler's
+    ``SamplingParams`` takes it."""
+    if temperature is None:
+        return 1.0
+    if isinstance(temperature, Tensor):
+        if temperature.ndim != 1:
+            raise ValueError("temperature tensor must be 1D with one value per logits row, "
+                             f"got shape {tuple(temperature.shape)}")
+        rows = logits.size(0)
+        if temperature.size(0) != rows:
+            raise ValueError(f"temperature tensor length must equal logits.size(0) ({rows}), "
+                             f"got {temperature.size(0)}")
+        if temperature.device != logits.device:
+            raise ValueError(f"temperature tensor must be on the same device as logits ({logits.device}), "
+                             f"got {temperature.device}")
+        if temperature.dtype not in _SOFTMAX_TEMPERATURE_DTYPES:
+            raise ValueError("temperature tensor must have dtype float16, bfloat16, float32, or float64, "
+                             f"got {temperature.dtype}")
+        return temperature.float()
+    if isinstance(temperature, bool) or not isinstance(temperature, Real):
+        raise TypeError("temperature must be None, a real scalar, or a 1D floating-point tensor with one value "
+                        "per logits row")
+    return float(temperature)
 
 
 def _top_k(top_k: int | Tensor, rows: int) -> int | Tensor:
@@ -238,16 +271,16 @@ def softmax(
     """``softmax(logits / temperature)`` per row: :func:`specsampler.logits_to_probs` with
     ``SamplingParams(temperature=...)``.
 
-    logits: float ``[B, V]``; temperature: a float or a float tensor ``[B]`` (default 1).
+    logits: float ``[B, V]``; temperature: None (1), a real scalar or a float16/bfloat16/float32/float64
+    tensor ``[B]`` on the logits' device, checked as FlashInfer 0.7.2 checks it (``TypeError`` for a bool
+    or a non-number, its ``ValueError`` messages for a tensor of another rank, length, device or dtype).
     Returns float32 ``[B, V]``. Differences: temperature 0 gives the one-hot argmax row (FlashInfer
     divides by 0); a row without a finite logit is all 0 (FlashInfer and torch give NaN); a negative
-    temperature raises ``ValueError``. ``enable_pdl`` has no effect.
+    temperature raises ``ValueError``; CPU logits work (FlashInfer requires CUDA). ``enable_pdl`` has no
+    effect.
     """
-    op = "flashinfer.softmax"
-    rows = _rows(op, "logits", logits)
-    _check_param(temperature, rows)
-    t = 1.0 if temperature is None else temperature.float() if isinstance(temperature, Tensor) else float(temperature)
-    return logits_to_probs(logits, SamplingParams(temperature=t))
+    _rows("flashinfer.softmax", "logits", logits)
+    return logits_to_probs(logits, SamplingParams(temperature=_softmax_temperature(logits, temperature)))
 
 
 def sampling_from_probs(
@@ -452,12 +485,17 @@ def top_p_renorm_probs(
 top_p_renorm_prob = top_p_renorm_probs
 
 
-def top_k_renorm_probs(probs: Tensor, top_k: Tensor | int) -> Tensor:
+def top_k_renorm_probs(
+    probs: Tensor,
+    top_k: Tensor | int,
+    is_deterministic: bool = False,
+) -> Tensor:
     """Keep the k most likely tokens and renormalise: :func:`specsampler.top_k_renorm`.
 
     probs: float ``[B, V]``; top_k: int or int tensor ``[B]``. Returns ``[B, V]`` in ``probs.dtype``.
     Exactly k tokens are kept, ties at the k-th value to the lower id (FlashInfer's radix select may
-    keep some or all ties).
+    keep some or all ties). ``is_deterministic`` (FlashInfer 0.7.2: bitwise-reproducible sums) has no
+    effect: the result here is the same on every call.
     """
     rows = _rows("flashinfer.top_k_renorm_probs", "probs", probs)
     return top_k_renorm(probs, _top_k(top_k, rows)).to(probs.dtype)

@@ -1,17 +1,18 @@
-"""vLLM v1's rejection sampler (``vllm/v1/sample/rejection_sampler.py``) on specsampler.
+"""vLLM v1's rejection sampler (``vllm/v1/sample/rejection_sampler.py``, vLLM 0.33.0) on specsampler.
 
 ``from specsampler.compat.vllm import RejectionSampler, rejection_sample`` in place of vLLM's module: the
 same names, argument order, defaults, output dtypes and metadata objects (read by attribute: vLLM is not
-imported). Lossless verification is :func:`specsampler.verify_chain_from_logits`. vLLM's layout, the method
-each case maps to, the randomness, vLLM's lossy modes (``synthetic``, ``fly``) and the differences:
-docs/design.md, "Drop-in compatibility per peer", ``compat.vllm``.
+imported), as in vLLM 0.33.0; block verification (``verify_method="block"``, from vLLM's commit
+``974eaf34``) is kept as a keyword-only extension. Lossless verification is
+:func:`specsampler.verify_chain_from_logits`. vLLM's layout, the method each case maps to, the randomness,
+vLLM's lossy modes (``synthetic``, ``fly``), the thinking budget and the differences: docs/design.md,
+"Drop-in compatibility per peer", ``compat.vllm``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,38 +81,51 @@ def _replace(obj: Any, **changes: Any) -> Any:
 class RejectionSampler(nn.Module):
     """vLLM's ``RejectionSampler``: target logits in, accepted + recovered + bonus tokens out.
 
-    Processes the target logits as vLLM does (penalties, allowed-token masks, bad words,
-    min-tokens processors, then temperature / top-k / top-p) and verifies with
+    Processes the target logits as vLLM 0.33.0 does (penalties, allowed-token masks, bad words,
+    min-tokens processors, the thinking budget, then temperature / top-k / top-p) and verifies with
     :func:`rejection_sample` (:func:`specsampler.verify_chain_from_logits`).
 
     Args:
         sampler: vLLM's ``Sampler`` (or anything with its call signature and ``logprobs_mode``);
-            it samples the bonus tokens, and computes logprobs when they are asked for.
+            it samples the bonus tokens, and computes logprobs when they are asked for. Its
+            ``use_fp64_gumbel`` (absent: False) is passed on to :func:`rejection_sample`, as vLLM does.
         spec_config: vLLM's ``SpeculativeConfig`` (or any object with the attributes read here):
             ``rejection_sample_method`` ``"standard"`` (default), ``"synthetic"``
             (with ``synthetic_acceptance_rates``) or ``"fly"`` (with ``fly_window_size``,
-            ``fly_entropy_threshold``); ``verify_method`` ``"standard"`` or ``"block"``.
-            ``synthetic`` and ``fly`` are lossy (docs/design.md, "Drop-in compatibility per peer": ``compat.vllm``).
-        device: where the synthetic rates live.
+            ``fly_entropy_threshold`` and ``fly_entropy_top_k``, absent: 3); ``"block"`` verifies token
+            by token here, as vLLM 0.33.0's v1 sampler does (its block verification lives in its
+            ModelRunnerV2). Block verification is reached by ``verify_method="block"`` (the field of
+            vLLM's commit ``974eaf34``; anything else is standard). ``synthetic`` and ``fly`` are lossy
+            (docs/design.md, "Drop-in compatibility per peer": ``compat.vllm``).
+        device: where the synthetic rates live. FLy on a CPU device is accepted (vLLM 0.33.0 raises
+            ``NotImplementedError``: its FLy kernels are Triton's).
     """
 
     def __init__(self, sampler: Any, spec_config: Any = None, device: torch.device | None = None):
         super().__init__()
         self.sampler = sampler
+        method = getattr(spec_config, "rejection_sample_method", "standard")
+        self.use_fly = method == "fly"
+        self.fly_window_size: int | None = None
+        self.fly_entropy_threshold: float | None = None
+        self.fly_entropy_top_k = 3
+        if self.use_fly:
+            if spec_config.fly_window_size is None:
+                fail("RejectionSampler", "spec_config.fly_window_size", "an int >= 1 with FLy", None)
+            self.fly_window_size = spec_config.fly_window_size
+            self.fly_entropy_threshold = spec_config.fly_entropy_threshold
+            # SpeculativeConfig's default; configs written for releases before the field have none
+            self.fly_entropy_top_k = getattr(spec_config, "fly_entropy_top_k", 3)
+        # vLLM reads it from the sampler (an attribute of its Sampler; a Mock's answers truthy, as there)
+        self.use_fp64_gumbel = getattr(sampler, "use_fp64_gumbel", False)
         logprobs_mode = sampler.logprobs_mode
         self.is_processed_logprobs_mode = logprobs_mode.startswith("processed")
         self.is_logits_logprobs_mode = logprobs_mode.endswith("logits")
-        method = getattr(spec_config, "rejection_sample_method", "standard")
         self.synthetic_conditional_rates: Tensor | None = None
         if method == "synthetic":
             rates = unconditional_to_conditional_rates(list(spec_config.synthetic_acceptance_rates))
             self.synthetic_conditional_rates = torch.tensor(rates, dtype=torch.float32, device=device)
         self.synthetic_mode = self.synthetic_conditional_rates is not None
-        self.fly_window_size: int | None = None
-        self.fly_entropy_threshold = 0.0
-        if method == "fly":
-            self.fly_window_size = int(spec_config.fly_window_size)
-            self.fly_entropy_threshold = float(spec_config.fly_entropy_threshold)
         # A plain string (a Mock config has a Mock here: anything but "block" is standard).
         verify_method = getattr(spec_config, "verify_method", "standard")
         self.verify_method = "block" if isinstance(verify_method, str) and verify_method == "block" else "standard"
@@ -149,8 +163,9 @@ class RejectionSampler(nn.Module):
             metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len, metadata.cu_num_draft_tokens,
             draft_probs, target_logits, bonus_token_ids, sampling_metadata,
             synthetic_mode=self.synthetic_mode, synthetic_conditional_rates=self.synthetic_conditional_rates,
-            verify_method=self.verify_method, fly_window_size=self.fly_window_size,
-            fly_entropy_threshold=self.fly_entropy_threshold,
+            use_fp64_gumbel=self.use_fp64_gumbel, fly_window_size=self.fly_window_size,
+            fly_entropy_threshold=self.fly_entropy_threshold, fly_entropy_top_k=self.fly_entropy_top_k,
+            verify_method=self.verify_method,
         )
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -225,7 +240,8 @@ class RejectionSampler(nn.Module):
         return [row[valid[i]].tolist() for i, row in enumerate(ids)], logprobs
 
     def apply_logits_processors(self, logits: Tensor, sampling_metadata: Any, metadata: Any) -> Tensor:
-        """Penalties, allowed-token masks, bad words and min-tokens processors, per draft row (vLLM's order).
+        """Penalties, allowed-token masks, bad words, min-tokens processors, then the thinking budget's
+        forced tokens, per draft row (vLLM 0.33.0's order).
 
         logits: float32 ``[T, V]``, modified in place where vLLM modifies it; returns the result.
         """
@@ -248,6 +264,10 @@ class RejectionSampler(nn.Module):
         for processor in processors:
             if hasattr(processor, "apply_with_spec_decode"):  # vLLM's min-tokens processor
                 logits = processor.apply_with_spec_decode(logits, metadata.num_draft_tokens)
+        holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+        if holder is not None and holder.has_tracked_requests():
+            logits = _apply_thinking_budget(holder, logits, metadata.num_draft_tokens,
+                                            getattr(sampling_metadata, "spec_token_ids", None))
         return logits
 
     @staticmethod
@@ -287,6 +307,45 @@ class RejectionSampler(nn.Module):
         for out, spec in zip(output_token_ids, spec_token_ids):
             result += [list(out) + list(spec[:i]) for i in range(len(spec))]
         return result
+
+
+def _apply_thinking_budget(holder: Any, logits: Tensor, num_draft_tokens: list[int],
+                           spec_token_ids: list[list[int]] | None) -> Tensor:
+    """The thinking budget's forced end-of-thinking tokens on the draft rows, each request's on its own rows.
+
+    vLLM 0.33.0 calls ``holder.apply_to_logits(logits, predict_bonus_token=False, spec_token_ids=...)`` on
+    the flat draft rows; the holder finds request b's rows from the lengths of ``spec_token_ids`` and writes
+    its forced token at row ``start_b + i``, ``i`` up to the request's draft count: a force at the bonus
+    position (``i = n_b``, which the bonus sampler applies) lands there on the next request's first draft
+    row. Here the holder gets a copy in which each request owns ``max(n_b, len(spec_token_ids[b])) + 1``
+    rows (its draft rows, then scratch rows) and the layout to match; only the draft rows are copied back,
+    so a request's forcing never reaches another request's rows, and one at its bonus position is dropped
+    here (the bonus sampler's call applies it). One call, as in vLLM.
+
+    Args:
+        holder: ``has_tracked_requests()`` was True; ``apply_to_logits`` is called once.
+        logits: float ``[T, V]``, the draft rows in vLLM's flat layout (written in place).
+        num_draft_tokens: ``B`` ints summing to T.
+        spec_token_ids: per request the drafts (vLLM's), or None.
+    Returns:
+        ``logits``, with the holder's changes to each request's own draft rows.
+    """
+    spec = list(spec_token_ids) if spec_token_ids is not None else []
+    layout = []
+    for b, n in enumerate(num_draft_tokens):
+        own = list(spec[b]) if b < len(spec) else []
+        layout.append(own + [PLACEHOLDER_TOKEN_ID] * (max(n, len(own)) + 1 - len(own)))
+    sizes = torch.tensor([len(rows) for rows in layout], dtype=torch.int64)
+    counts = torch.tensor(list(num_draft_tokens), dtype=torch.int64)
+    starts = torch.cumsum(sizes, 0) - sizes
+    request = torch.repeat_interleave(torch.arange(len(layout)), counts)
+    rows = (starts[request] + torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[request])
+    rows = rows.to(logits.device)
+    padded = logits.new_zeros((int(sizes.sum()), logits.shape[-1]))
+    padded[rows] = logits
+    padded = holder.apply_to_logits(padded, predict_bonus_token=False, spec_token_ids=layout)
+    logits.copy_(padded[rows])
+    return logits
 
 
 def _sampler_output_type(bonus_output: Any) -> type:
@@ -451,12 +510,17 @@ def rejection_sample(
     sampling_metadata: Any,
     synthetic_mode: bool = False,
     synthetic_conditional_rates: Tensor | None = None,
-    verify_method: str = "standard",
-    *,
+    use_fp64_gumbel: bool = False,
     fly_window_size: int | None = None,
-    fly_entropy_threshold: float = 0.0,
+    fly_entropy_threshold: float | None = None,
+    fly_entropy_top_k: int = 3,
+    *,
+    verify_method: str = "standard",
 ) -> Tensor:
     """Verify each request's drafts; maps onto :func:`specsampler.verify_chain_from_logits`.
+
+    vLLM 0.33.0's parameters in its order; ``verify_method`` (block verification, vLLM's commit
+    ``974eaf34``, where it was the 11th parameter) is keyword-only after them.
 
     Args:
         draft_token_ids: integer ``[T]``: the drafts of all requests, concatenated.
@@ -470,8 +534,18 @@ def rejection_sample(
         sampling_metadata: ``all_greedy``, ``all_random``, ``temperature [B]`` (0 = greedy), ``generators``.
         synthetic_mode, synthetic_conditional_rates: vLLM's synthetic acceptance (lossy): draft i
             is accepted iff ``u_i < rates[i]``, float32 ``[>= K]``.
-        verify_method: ``"standard"`` (token rejection sampling) or ``"block"`` (block verification).
-        fly_window_size, fly_entropy_threshold: FLy's deferral (lossy), off when the window is None.
+        use_fp64_gumbel: the exponentials of :func:`sample_recovered_tokens` in float64, as vLLM; they
+            are drawn by the lossy modes, which use vLLM's draws (the lossless path draws by inversion
+            from Philox streams and has none). A string here (the older call's ``verify_method`` in
+            this position) raises ``ValueError``.
+        fly_window_size, fly_entropy_threshold, fly_entropy_top_k: FLy's deferral (lossy), off when the
+            window is None; with a window the threshold must be given (None is vLLM's "unset": its
+            assertion, a ``ValueError`` here) and the entropy is over the ``fly_entropy_top_k`` largest
+            target probabilities (vLLM's ``ValueError("fly_entropy_top_k must be greater than zero")``
+            below 1). FLy with ``synthetic_mode`` raises vLLM's
+            ``ValueError("FLy is incompatible with synthetic rejection sampling")``.
+        verify_method: keyword only: ``"standard"`` (token rejection sampling) or ``"block"`` (block
+            verification, for sampled drafts when ``max_spec_len >= 3``).
     Returns:
         int32 ``[B, max_spec_len + 1]``: accepted drafts, then the recovered or bonus token, then -1.
     """
@@ -492,15 +566,28 @@ def rejection_sample(
     _check_cu(op, cu_num_draft_tokens, num_draft_tokens)
     if verify_method not in ("standard", "block"):
         fail(op, "verify_method", "'standard' or 'block'", repr(verify_method))
+    if isinstance(use_fp64_gumbel, str):
+        fail(op, "use_fp64_gumbel", "a bool (the 11th argument since vLLM 0.33.0; pass verify_method= by keyword)",
+             repr(use_fp64_gumbel))
+    if fly_window_size is not None:
+        if fly_entropy_threshold is None:
+            fail(op, "fly_entropy_threshold", "a float with fly_window_size set", None)
+        if synthetic_mode:
+            raise ValueError("FLy is incompatible with synthetic rejection sampling")
+        if fly_entropy_top_k <= 0:
+            raise ValueError("fly_entropy_top_k must be greater than zero")
+        if V == 0:
+            raise ValueError("FLy requires a non-empty target vocabulary")
     dev = target_logits.device
     chain = _Chain.of(num_draft_tokens, K, dev)
     bonus = bonus_token_ids.reshape(B).to(device=dev, dtype=torch.int64)
     greedy = _greedy_rows(sampling_metadata, B, dev)
     if synthetic_mode or fly_window_size is not None:
         rates = synthetic_conditional_rates if synthetic_mode else None
+        fly = None if fly_window_size is None else (int(fly_window_size), float(fly_entropy_threshold),
+                                                    int(fly_entropy_top_k))
         return _rejection_sample_lossy(chain, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                                       target_logits, bonus, greedy, sampling_metadata, rates, fly_window_size,
-                                       fly_entropy_threshold)
+                                       target_logits, bonus, greedy, sampling_metadata, rates, fly, use_fp64_gumbel)
     n = chain.counts
     x = chain.pad(draft_token_ids.long(), 0)
     q = chain.pad(draft_probs.float(), 0.0) if draft_probs is not None else None
@@ -565,11 +652,8 @@ def _request_seeds(num_draft_tokens: list[int], generators: dict[int, torch.Gene
 # ----------------------------------------------------------------------------- lossy modes
 
 
-def _fly_entropy(probs: Tensor) -> Tensor:
-    """FLy's uncertainty: entropy of the ``VLLM_FLY_ENTROPY_TOP_K`` (default 3) largest probabilities."""
-    k = int(os.environ.get("VLLM_FLY_ENTROPY_TOP_K", "3"))
-    if k <= 0:
-        fail("rejection_sample", "VLLM_FLY_ENTROPY_TOP_K", "a value > 0", k)
+def _fly_entropy(probs: Tensor, k: int) -> Tensor:
+    """FLy's uncertainty: entropy of the ``k`` largest probabilities of each row (``k >= 1``)."""
     top = torch.topk(probs.float(), min(k, probs.shape[-1]), dim=-1).values
     return -torch.where(top > 0, top * top.log(), 0.0).sum(-1)
 
@@ -586,8 +670,10 @@ def _next_all(ok: Tensor, window: int) -> Tensor:
 def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], cu_num_draft_tokens: Tensor,
                             draft_token_ids: Tensor, draft_probs: Tensor | None, target_logits: Tensor,
                             bonus: Tensor, greedy: Tensor, sampling_metadata: Any, rates: Tensor | None,
-                            fly_window: int | None, fly_threshold: float) -> Tensor:
+                            fly: tuple[int, float, int] | None, use_fp64_gumbel: bool) -> Tensor:
     """vLLM's synthetic and FLy modes (lossy), with its uniforms and recovered tokens.
+
+    fly: FLy's ``(window, entropy threshold, entropy top-k)``, or None.
 
     Per draft position an acceptance and a replacement token (greedy requests: the target argmax;
     sampled ones: :func:`sample_recovered_tokens`); each request emits its accepted prefix, then
@@ -610,7 +696,7 @@ def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], cu_num_d
         u = generate_uniform_probs(T, num_draft_tokens, sampling_metadata.generators, dev)
     if not sampling_metadata.all_greedy:
         recovered = sample_recovered_tokens(K, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
-                                            probs, sampling_metadata, dev)
+                                            probs, sampling_metadata, dev, use_fp64_gumbel)
         replacement = torch.where(sampled_row, recovered.long(), replacement)
     if rates is not None:
         accept = u < rates[chain.position].double()
@@ -618,9 +704,10 @@ def _rejection_sample_lossy(chain: _Chain, num_draft_tokens: list[int], cu_num_d
         accept = x == replacement
         if u is not None:
             accept = torch.where(sampled_row, valid & (q_x > 0) & (p_x / q_x >= u), accept)
-    if fly_window is not None:
+    if fly is not None:
+        fly_window, fly_threshold, fly_top_k = fly
         reachable = torch.where(sampled_row, (q_x > 0) & (p_x > 0), at_draft(target_logits) > float("-inf"))
-        deferrable = valid & ~accept & reachable & (_fly_entropy(probs) >= fly_threshold)
+        deferrable = valid & ~accept & reachable & (_fly_entropy(probs, fly_top_k) >= fly_threshold)
         later = _next_all(chain.pad(accept, False), fly_window) & ((pos + fly_window) < n[:, None])
         accept = accept | (deferrable & later[chain.request, chain.position])
     run = chain.pad(accept, False).long().cumprod(1).sum(1)  # accepted drafts per request

@@ -62,11 +62,15 @@ class SamplingMetadata:
     """Stand-in for vLLM's ``vllm.v1.sample.metadata.SamplingMetadata`` (the fields the rejection
     sampler reads; vLLM's object works as well).
 
-    temperature: float ``[B]`` (``0`` = greedy) or None when ``all_greedy``; top_p / top_k ``[B]``
-    or None; generators: request index -> ``torch.Generator``; max_num_logprobs: None = no
-    logprobs; penalties ``[B]`` with ``prompt_token_ids [B, L]`` padded with V; output_token_ids
-    and spec_token_ids: per request lists; allowed_token_ids_mask: bool ``[B, V]``, True =
-    disallowed; bad_words_token_ids: request index -> banned token sequences.
+    The fields of vLLM 0.33.0's, in its order. temperature: float ``[B]`` (``0`` = greedy) or None when
+    ``all_greedy``; top_p / top_k ``[B]`` or None; generators: request index -> ``torch.Generator``;
+    max_num_logprobs: None = no logprobs; penalties ``[B]`` with ``prompt_token_ids [B, L]`` padded with V;
+    output_token_ids and spec_token_ids: per request lists (spec_token_ids None: no drafts to combine with
+    the outputs, as vLLM); allowed_token_ids_mask: bool ``[B, V]``, True = disallowed; bad_words_token_ids:
+    request index -> banned token sequences; logprob_token_ids: request index -> token ids to return
+    logprobs for (read by vLLM's ``Sampler``, not by the rejection sampler); thinking_budget_state_holder:
+    vLLM's ``ThinkingBudgetStateHolder`` (or anything with its ``has_tracked_requests()`` and
+    ``apply_to_logits(logits, predict_bonus_token, spec_token_ids)``), applied to the draft rows last.
     """
 
     temperature: Tensor | None = None
@@ -85,7 +89,9 @@ class SamplingMetadata:
     allowed_token_ids_mask: Tensor | None = None
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
     logitsprocs: Any = field(default_factory=LogitsProcessors)
-    spec_token_ids: list[list[int]] = field(default_factory=list)
+    logprob_token_ids: dict[int, list[int]] | None = None
+    spec_token_ids: list[list[int]] | None = None
+    thinking_budget_state_holder: Any = None
 
 
 @dataclass
