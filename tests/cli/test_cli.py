@@ -108,3 +108,40 @@ def test_bench_succeeds_whatever_targets_it_misses(monkeypatch):
     monkeypatch.setattr(importlib.import_module("specsampler.cli.bench"), "run",
                         lambda *a, **k: [{"op": "x", "met": False}])
     assert main(["bench", "--quick"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    # 0 new tokens ran every method and ended in a TypeError formatting the table's missing speedups (status 1)
+    (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an int >= 1, got '0'"),
+    (["bench", "generate", "--max-new-tokens", "0"], "argument --max-new-tokens: expected an int >= 1, got '0'"),
+    (["demo", "--num-draft-tokens", "0"], "argument --num-draft-tokens: expected an int >= 1, got '0'"),
+    # "invalid literal for int() with base 10: 'x'", naming no option
+    (["demo", "--tree-shape", "2,x"], "argument --tree-shape: expected comma-separated ints >= 1"),
+    (["demo", "--tree-shape", "2,0"], "argument --tree-shape: expected comma-separated ints >= 1"),
+    # an empty prompt was reported as "input_ids: expected an integer tensor, got torch.float32"
+    (["demo", "--prompt", "a", "--prompt", ""], "argument --prompt: expected a non-empty prompt"),
+])
+def test_demo_arguments_it_cannot_use_are_usage_errors_naming_the_option(argv, message, capsys, monkeypatch):
+    import specsampler.cli.demo as demo
+
+    monkeypatch.setattr(demo, "_load", lambda args: pytest.fail("the models were loaded"))
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err
+
+
+def test_demo_prompts_are_integer_ids_and_a_prompt_of_no_tokens_names_prompt():
+    from specsampler.cli.demo import _batch
+    from specsampler.generate.modelpair import ByteTokenizer
+
+    ids, mask = _batch(ByteTokenizer(), ["ab", "c"], "cpu")
+    assert ids.dtype == mask.dtype == torch.long and ids.tolist() == [[97, 98], [0, 99]]
+
+    class Silent(ByteTokenizer):  # a tokenizer that turns a prompt into no tokens (a float tensor was built)
+        def encode(self, text):
+            return [] if text == "?" else super().encode(text)
+
+    with pytest.raises(ValueError, match=r"--prompt: expected a prompt of at least one token, got '\?' \(no tokens\)"):
+        _batch(Silent(), ["?"], "cpu")

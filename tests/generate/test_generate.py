@@ -240,6 +240,128 @@ def test_compact_kv_moves_dynamic_cache_entries():
         assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
+def _runner(pair, call):
+    target, draft = pair
+    if call == "speculative_generate":
+        return lambda *a, **k: speculative_generate(target, draft, *a, **k)
+    return lambda *a, **k: generate(target, *a, **k)
+
+
+@pytest.mark.parametrize("call", ["speculative_generate", "generate"])
+def test_eos_token_id_takes_any_integer_and_names_anything_else(pair, call):
+    # a NumPy integer or a 0-d tensor raised TypeError from list(); so did a float
+    run = _runner(pair, call)
+    prompt = torch.tensor([5, 17, 3, 30, 11, 2, 41])
+    greedy = hf_greedy(pair[0], prompt, 12)
+    eos = greedy[5]
+    expected = run(prompt, 12, GREEDY, eos_token_id=eos).tokens.tolist()
+    assert expected == greedy[: greedy.index(eos) + 1]
+    for same in (np.int64(eos), np.int32(eos), torch.tensor(eos), [np.int64(eos)], torch.tensor([eos]),
+                 np.array([eos])):
+        assert run(prompt, 12, GREEDY, eos_token_id=same).tokens.tolist() == expected, repr(same)
+    for bad in (1.5, float(eos), torch.tensor(1.5), torch.tensor(True), True, np.float64(3), "3", [1.5], [True],
+                torch.tensor([[eos]]), -1, [eos, -2], object()):
+        with pytest.raises(ValueError, match=f"{call}: eos_token_id: expected None, an integer >= 0"):
+            run(prompt, 4, eos_token_id=bad)
+
+
+@pytest.mark.parametrize("call", ["speculative_generate", "generate"])
+def test_a_non_callable_on_step_is_named_before_the_model_runs(pair, call):
+    # it raised TypeError ("'int' object is not callable") after the prefill and the first step
+    calls = []
+    handle = pair[0].register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for bad in (5, "x", [print]):
+            with pytest.raises(ValueError, match=f"{call}: on_step: expected None or a callable"):
+                _runner(pair, call)(torch.tensor([1, 2]), 4, on_step=bad)
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+@pytest.mark.parametrize("call", ["speculative_generate", "generate"])
+def test_on_step_sees_the_returned_outputs_shape(pair, call):
+    # a 1-D prompt's output is [T], yet on_step saw [1, T]
+    run = _runner(pair, call)
+    for prompt in (torch.tensor([1, 2, 3]), torch.tensor([[1, 2, 3], [4, 5, 6]])):
+        seen: list[torch.Tensor] = []
+        out = run(prompt, 6, rng=ss.Philox(torch.tensor([1, 2])[: prompt.dim()]),
+                  on_step=lambda o, seen=seen: seen.append(o.tokens.clone()))
+        assert seen and all(t.dim() == prompt.dim() for t in seen)
+        assert torch.equal(seen[-1], out.tokens)
+
+
+def test_deterministic_tree_wider_than_the_vocabulary_leaves_the_missing_children_out():
+    # top-k drafting gave V children where the layout had c > V: a RuntimeError inside the target's forward
+    V = 8
+    target = tiny_llama(V, 1, 16, seed=0)
+    draft = noisy_copy(target, 0.3, seed=1)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    params = ss.SamplingParams(temperature=0.8)
+    for method in ("target_only", "greedy"):
+        # one level: the V present children are the whole layout of [V], node for node
+        exact = speculative_generate(target, draft, prompt, 8, params, drafter="tree", tree_shape=[V],
+                                     draft_sampling="deterministic", method=method, rng=ss.Philox(torch.tensor([3, 4])))
+        for wide in ([V + 1], [V + 3]):
+            out = speculative_generate(target, draft, prompt, 8, params, drafter="tree", tree_shape=wide,
+                                       draft_sampling="deterministic", method=method,
+                                       rng=ss.Philox(torch.tensor([3, 4])))
+            assert out.tokens.tolist() == exact.tokens.tolist(), (method, wide)
+            assert out.stats.accepted_per_step == exact.stats.accepted_per_step
+        for wide in ([V + 3, 2], [2, V + 1, 1]):  # deeper: the greedy output is the target's own
+            for b, row in enumerate(prompt):
+                out = speculative_generate(target, draft, row, 10, GREEDY, drafter="tree", tree_shape=wide,
+                                           draft_sampling="deterministic", method=method)
+                assert out.tokens.tolist() == hf_greedy(target, row, 10), (method, wide, b)
+            out = speculative_generate(target, draft, prompt, 8, params, drafter="tree", tree_shape=wide,
+                                       draft_sampling="deterministic", method=method,
+                                       rng=ss.Philox(torch.tensor([3, 4])))
+            assert out.lengths.tolist() == [8, 8] and int(out.tokens.min()) >= 0 and int(out.tokens.max()) < V
+
+
+def test_wrong_length_params_are_named_by_their_argument(pair):
+    # both said "SamplingParams.top_k: expected shape [B]", not which argument was at fault
+    target, draft = pair
+    ids = torch.tensor([[1, 2], [3, 4]])
+    good, bad = ss.SamplingParams(top_k=torch.tensor([2, 3])), ss.SamplingParams(top_k=torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"speculative_generate: draft_params\.top_k: expected shape \[B\] = \[2\]"):
+        speculative_generate(target, draft, ids, 2, good, draft_params=bad)
+    with pytest.raises(ValueError, match=r"speculative_generate: params\.top_k: expected shape \[B\] = \[2\]"):
+        speculative_generate(target, draft, ids, 2, bad, draft_params=good)
+    with pytest.raises(ValueError, match=r"generate: params\.top_k: expected shape \[B\] = \[2\]"):
+        generate(target, ids, 2, bad)
+
+
+def test_integer_arguments_take_numpy_integers_and_name_non_integers(pair):
+    # NumPy integers were refused ("expected an int >= 0, got np.int64(2)"), as SamplingParams takes them
+    target, draft = pair
+    prompt = torch.tensor([5, 17, 3, 5, 17])
+    rng = lambda: ss.Philox(7)  # noqa: E731
+    spec = lambda *a, **k: speculative_generate(target, draft, prompt, *a, rng=rng(), **k).tokens.tolist()  # noqa: E731
+    assert spec(np.int64(6), num_draft_tokens=np.int32(2)) == spec(6, num_draft_tokens=2)
+    tree = spec(6, drafter="tree", tree_shape=[2, 1])
+    for shape in ([np.int64(2), np.int64(1)], (np.int32(2), 1), np.array([2, 1]), torch.tensor([2, 1])):
+        assert spec(np.int64(6), drafter="tree", tree_shape=shape) == tree, repr(shape)
+    assert spec(6, drafter="tree", num_draft_tokens=np.int64(3)) == spec(6, drafter="tree", num_draft_tokens=3)
+    ngram = lambda **k: speculative_generate(target, None, prompt, 6, drafter="ngram", rng=rng(), **k).tokens.tolist()  # noqa: E731
+    assert ngram(num_draft_tokens=np.int64(2), prompt_lookup_min=np.int64(1), prompt_lookup_max=np.int8(2)) == ngram(
+        num_draft_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+    assert generate(target, prompt, np.int64(4), rng=rng()).tokens.tolist() == generate(
+        target, prompt, 4, rng=rng()).tokens.tolist()
+    for kwargs, name in ((dict(max_new_tokens=2.0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
+                         (dict(max_new_tokens=np.float64(2)), "max_new_tokens"),
+                         (dict(num_draft_tokens=2.5), "num_draft_tokens"),
+                         (dict(drafter="tree", tree_shape=[2.0, 1]), "tree_shape"),
+                         (dict(drafter="tree", tree_shape=np.array([[2, 1]])), "tree_shape"),
+                         (dict(drafter="tree", tree_shape="21"), "tree_shape"),
+                         (dict(drafter="tree", tree_shape=[True]), "tree_shape")):
+        kwargs = {"max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=f"speculative_generate: {name}: expected"):
+            speculative_generate(target, draft, prompt, **kwargs)
+    with pytest.raises(ValueError, match="generate: max_new_tokens: expected an int >= 0, got 2.0"):
+        generate(target, prompt, 2.0)
+
+
 # ------------------------------------------------------------------------------ distribution
 
 

@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", nargs="?", choices=["ops", "generate"], default="ops")
     p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--reps", type=int, help="rounds per case (default: 15 for ops, 3 for generate)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="generate: new tokens per prompt")
+    p.add_argument("--max-new-tokens", type=demo.positive_int, default=96,
+                   help="generate: new tokens per prompt (>= 1)")
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--plot", help="write a PNG of the speedups here (needs matplotlib)")

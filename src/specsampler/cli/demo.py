@@ -40,18 +40,52 @@ RUNS = [
 NUM_DRAFT_TOKENS, TREE_SHAPE = 4, "2,2,1,1"  # the defaults of --num-draft-tokens and --tree-shape
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (``--max-new-tokens``: the demo compares what the methods generate, and
+    0 new tokens leave nothing to compare or time)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def tree_shape_arg(text: str) -> list[int]:
+    """An argparse ``type`` for ``--tree-shape``: comma-separated children per node at each depth, each >= 1."""
+    try:
+        shape = [int(c) for c in text.split(",")]
+    except ValueError:
+        shape = []
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1 (children per node at each depth, "
+                                         f"e.g. 3,2,1), got {text!r}")
+    return shape
+
+
+def prompt_arg(text: str) -> str:
+    """An argparse ``type`` for ``--prompt``: a non-empty prompt (generation continues at least one token)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty prompt (generation continues at least one token), "
+                                         "got ''")
+    return text
+
+
 def demo_defaults() -> dict:
     """The speculative_generate arguments the demo's runs share by default (chain length, tree shape)."""
-    return dict(num_draft_tokens=NUM_DRAFT_TOKENS, tree_shape=[int(c) for c in TREE_SHAPE.split(",")])
+    return dict(num_draft_tokens=NUM_DRAFT_TOKENS, tree_shape=tree_shape_arg(TREE_SHAPE))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="a local Hugging Face causal LM directory (default: the built-in pair)")
     p.add_argument("--draft", help="the draft model's directory (with --target)")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three Python snippets)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS, help="chain length")
-    p.add_argument("--tree-shape", default=TREE_SHAPE, help="children per node at each depth, e.g. 3,2,1")
+    p.add_argument("--prompt", action="append", type=prompt_arg,
+                   help="a prompt (repeatable; default: three Python snippets)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=96, help="new tokens per prompt (>= 1)")
+    p.add_argument("--num-draft-tokens", type=positive_int, default=NUM_DRAFT_TOKENS, help="chain length")
+    p.add_argument("--tree-shape", type=tree_shape_arg, default=TREE_SHAPE,
+                   help="children per node at each depth, e.g. 3,2,1")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
@@ -91,12 +125,16 @@ def _load(args: argparse.Namespace):
 
 
 def _batch(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids ``[B, L]`` and their attention mask."""
+    """Left-padded ids int64 ``[B, L]`` and their attention mask. A prompt the tokenizer turns into no tokens is a
+    ValueError naming ``--prompt`` (a usage error)."""
     ids = [tokenizer.encode(p) for p in prompts]
+    for p, i in zip(prompts, ids):
+        if not i:
+            raise ValueError(f"--prompt: expected a prompt of at least one token, got {p!r} (no tokens)")
     L = max(map(len, ids))
     pad = [[0] * (L - len(i)) for i in ids]
-    input_ids = torch.tensor([p + i for p, i in zip(pad, ids)], device=device)
-    mask = torch.tensor([[0] * len(p) + [1] * len(i) for p, i in zip(pad, ids)], device=device)
+    input_ids = torch.tensor([p + i for p, i in zip(pad, ids)], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * len(p) + [1] * len(i) for p, i in zip(pad, ids)], dtype=torch.long, device=device)
     return input_ids, mask
 
 
@@ -143,7 +181,7 @@ def demo(args: argparse.Namespace) -> int:
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     print(f"target {count(target) / 1e6:.1f}M parameters, draft {count(draft) / 1e6:.2f}M; "
           f"temperature {args.temperature}, top_p {args.top_p}, {args.max_new_tokens} new tokens per prompt, "
-          f"chain of {args.num_draft_tokens}, tree {args.tree_shape}, one thread\n")
+          f"chain of {args.num_draft_tokens}, tree {','.join(map(str, args.tree_shape))}, one thread\n")
     _warm_kernels(target, args.device)
     prompts = args.prompt or PROMPTS
     input_ids, mask = _batch(tokenizer, prompts, args.device)
@@ -156,7 +194,7 @@ def demo(args: argparse.Namespace) -> int:
         show(method, out)
 
     show = _progress(len(methods))
-    defaults = dict(num_draft_tokens=args.num_draft_tokens, tree_shape=[int(c) for c in args.tree_shape.split(",")])
+    defaults = dict(num_draft_tokens=args.num_draft_tokens, tree_shape=args.tree_shape)
     records = time_methods(target, draft, input_ids, mask, args.max_new_tokens, params, methods, reps=1,
                            seed=args.seed, defaults=defaults, on_run=keep)
     sys.stderr.write("\n")

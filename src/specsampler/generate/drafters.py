@@ -106,7 +106,14 @@ class ModelDrafter:
         B, P, V = q.shape
         rows = q.repeat_interleave(c, 1) if c > 1 else q
         if self.how == "deterministic":
-            return q.topk(min(c, V), -1).indices.reshape(B, -1), None, rows
+            if c <= V:
+                return q.topk(c, -1).indices.reshape(B, -1), None, rows
+            # more children than tokens: the V tokens are each parent's first V children, the last c - V are left
+            # out (absent, as drafting without replacement leaves out the children of a used-up support)
+            top = torch.zeros(B, P, c, dtype=torch.long, device=q.device)
+            top[..., :V] = q.topk(V, -1).indices
+            have = (torch.arange(c, device=q.device) < V).expand(B, P, c)
+            return top.reshape(B, -1), have.reshape(B, -1), rows
         if self.how == "iid":
             return draw_rows(rows.reshape(-1, V), B, calls.pop(0), self.kernels, positive).view(B, -1), None, rows
         # without replacement: each draw removes its token from the parent's row; the first draws from q itself (as

@@ -9,10 +9,12 @@ generation: ``specsampler.generate``".
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,10 +117,28 @@ def _check_rng(op: str, rng) -> None:
         fail(op, "rng", "None, a torch.Generator or a specsampler.Philox", type(rng).__name__)
 
 
+def _as_int(value) -> int | None:
+    """``value`` as a Python int where it is one integer (an int, a NumPy integer, a 0-d integer tensor: what
+    ``operator.index`` takes) and not a bool; else None."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, Tensor) and (value.dim() or value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _check_count(op: str, name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    """``value`` as an int >= ``low`` (any integer: a NumPy integer or a 0-d integer tensor too)."""
+    n = _as_int(value)
+    if n is None or n < low:
         fail(op, name, f"an int >= {low}", repr(value))
-    return value
+    return n
+
+
+def _check_on_step(op: str, on_step) -> None:
+    if on_step is not None and not callable(on_step):
+        fail(op, "on_step", "None or a callable taking a GenerationOutput", type(on_step).__name__)
 
 
 def _check_params(op: str, name: str, params, batch: int, device: torch.device) -> SamplingParams:
@@ -127,14 +147,27 @@ def _check_params(op: str, name: str, params, batch: int, device: torch.device) 
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         fail(op, name, "a SamplingParams or None", type(params).__name__)
-    params.rows(op, batch, 1, device, False)
+    params.rows(op, batch, 1, device, False, label=f"{name}.")  # errors name the argument: params.top_k, ...
     return params
 
 
 def _eos_ids(op: str, eos_token_id) -> list[int]:
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        fail(op, "eos_token_id", "None, an int >= 0 or a list of them", repr(eos_token_id))
+    """The end ids: None, one integer (an int, a NumPy integer, a 0-d integer tensor) or a sequence of them."""
+    if eos_token_id is None:
+        return []
+    one = _as_int(eos_token_id)
+    if one is not None:
+        ids = [one]
+    elif isinstance(eos_token_id, (str, bytes, Mapping)) or (isinstance(eos_token_id, Tensor)
+                                                             and eos_token_id.dim() != 1):
+        ids = [None]
+    else:
+        try:
+            ids = [_as_int(i) for i in eos_token_id]
+        except TypeError:  # not iterable: a float, an object
+            ids = [None]
+    if not all(i is not None and i >= 0 for i in ids):
+        fail(op, "eos_token_id", "None, an integer >= 0 or a list of them", repr(eos_token_id))
     return ids
 
 
@@ -205,21 +238,24 @@ def generate(
     Args:
         model: a transformers causal LM (the call it must take: docs/design.md, "Speculative generation").
         input_ids: integer ``[B, L]`` (left-padded with ``attention_mask``) or ``[L]``.
-        max_new_tokens: int >= 0.
+        max_new_tokens: an integer >= 0 (an int, a NumPy integer or a 0-d integer tensor).
         params: :class:`SamplingParams` (scalars or ``[B]``); default temperature 1.
         rng: ``None``, a ``torch.Generator`` or :class:`Philox` (per-request seeds ``[B]``).
-        eos_token_id: None, an id or a list of ids that end a request (kept as its last token).
+        eos_token_id: None, an id or a list of ids (integers) that end a request (kept as its last token).
         attention_mask: ``[B, L]``, 1 for real tokens (ids of the model's vocabulary), 0 for left padding
             (any ids: read as 0).
-        on_step: called after every model call with the tokens generated so far.
+        on_step: None or a callable, called after every model call with the :class:`GenerationOutput` so far
+            (its tokens shaped and placed as the returned output's: ``[T]`` for a 1-D prompt).
     Returns:
         :class:`GenerationOutput`.
     """
     op = "generate"
     started = time.perf_counter()
     _check_rng(op, rng)
+    _check_on_step(op, on_step)
     ids, real = _check_prompt(op, input_ids, attention_mask, model)
-    _check_count(op, "max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = _check_count(op, "max_new_tokens", max_new_tokens, 0)
+    one_d, out_device = input_ids.dim() == 1, input_ids.device
     dev = _model_device(model)
     ids, real = ids.to(dev), real.to(dev)
     B = ids.shape[0]
@@ -240,12 +276,12 @@ def generate(
         out.add([[t] for t in x.tolist()], [1] * B)
         stats.target_calls = state.calls
         if on_step is not None:
-            on_step(out.result(stats, False, dev, started))
+            on_step(out.result(stats, one_d, out_device, started))  # shaped and placed as the returned output
         if all(out.done):
             break
         logits = state.forward(x[:, None], pos, own, committed=committed)[:, 0]
         pos = pos + 1
-    return out.result(stats, input_ids.dim() == 1, input_ids.device, started)
+    return out.result(stats, one_d, out_device, started)
 
 
 # ------------------------------------------------------------------------------ speculative generation
@@ -280,17 +316,21 @@ def _resolve(op: str, drafter: str, method: str, how: str | None) -> tuple[str, 
 
 
 def _branching(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> tuple[int, ...]:
+    """The branching factors per depth: ``(1,) * num_draft_tokens`` for a chain, ``tree_shape`` (or the default
+    shape of depth ``num_draft_tokens``) for a tree. Any integers (NumPy's too), as Python ints."""
     if drafter != "tree":
         if tree_shape is not None:
             fail(op, "tree_shape", f"None for drafter {drafter!r} (num_draft_tokens sets the chain)",
                  repr(tree_shape))
         return (1,) * _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
     if tree_shape is None:
-        _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
-        return (2, 2) + (1,) * (num_draft_tokens - 2) if num_draft_tokens >= 2 else (2,)
-    shape = tuple(tree_shape) if isinstance(tree_shape, (list, tuple)) else None
-    if not shape or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in shape):
-        fail(op, "tree_shape", "a non-empty list of branching factors >= 1 per depth (e.g. [3, 2, 1])",
+        k = _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
+        return (2, 2) + (1,) * (k - 2) if k >= 2 else (2,)
+    listed = isinstance(tree_shape, Sequence) and not isinstance(tree_shape, (str, bytes)) or (
+        isinstance(tree_shape, (np.ndarray, Tensor)) and tree_shape.ndim == 1)
+    shape = tuple(_as_int(c) for c in tree_shape) if listed else ()
+    if not shape or not all(c is not None and c >= 1 for c in shape):
+        fail(op, "tree_shape", "a non-empty list of integer branching factors >= 1 per depth (e.g. [3, 2, 1])",
              repr(tree_shape))
     return shape
 
@@ -330,7 +370,7 @@ def speculative_generate(
         target: a transformers causal LM (the call it must take: docs/design.md, "Speculative generation").
         draft: the draft model, over the target's vocabulary; None for ``drafter="ngram"``.
         input_ids: integer ``[B, L]`` (left-padded with ``attention_mask``) or ``[L]``.
-        max_new_tokens: int >= 0.
+        max_new_tokens: an integer >= 0 (an int, a NumPy integer or a 0-d integer tensor).
         params: the target's :class:`SamplingParams` (scalars or ``[B]``); the output follows
             them exactly. Default: temperature 1.
         drafter: ``"chain"`` (``num_draft_tokens`` drafts per step), ``"tree"`` (``tree_shape``
@@ -338,10 +378,11 @@ def speculative_generate(
             ``num_draft_tokens``) or ``"ngram"`` (prompt lookup: up to ``num_draft_tokens``
             tokens that followed the latest earlier occurrence of the context's last n tokens,
             n from ``prompt_lookup_max`` down to ``prompt_lookup_min``; no draft model).
-        tree_shape: branching factors per depth, e.g. ``[3, 2, 1]`` (tree drafter only).
+        tree_shape: branching factors per depth (integers >= 1), e.g. ``[3, 2, 1]`` (tree drafter only).
         draft_sampling: ``"iid"`` (siblings drawn independently from the draft; the default),
             ``"without_replacement"`` (distinct siblings; a node whose draft support is used up
-            gets fewer children) or ``"deterministic"`` (the most likely tokens of the draft;
+            gets fewer children) or ``"deterministic"`` (the most likely tokens of the draft, at most
+            V children per node: those a shape asks for past the vocabulary's V tokens are left out;
             the n-gram drafter's drafts are deterministic too).
         method: ``"auto"``, or a chain method (``token``, ``block``, ``target_only``, ``greedy``),
             tree method (``rrs``, ``traversal``, ``target_only``, ``greedy``) or n-gram method
@@ -350,19 +391,21 @@ def speculative_generate(
         rng: ``None``, a ``torch.Generator`` or :class:`Philox` (per-request seeds ``[B]``; the
             first-token draw, each draft level's draws and each verification take the next
             offset, the same sequence for every request).
-        eos_token_id: None, an id or a list of ids that end a request (kept as its last token).
+        eos_token_id: None, an id or a list of ids (integers) that end a request (kept as its last token).
         attention_mask: ``[B, L]``, 1 for real tokens (ids of the model's vocabulary), 0 for left padding
             (any ids: read as 0).
         draft_params: how the draft's logits become its distributions (default ``params``).
         prompt_lookup_min, prompt_lookup_max: the n-gram sizes the n-gram drafter matches.
-        on_step: called after every verification step with the tokens generated so far.
+        on_step: None or a callable, called after every verification step with the :class:`GenerationOutput` so
+            far (its tokens shaped and placed as the returned output's: ``[T]`` for a 1-D prompt).
     Returns:
         :class:`GenerationOutput`; ``stats`` counts both models' calls and the accepted drafts.
     """
     started = time.perf_counter()
     _check_rng(OP, rng)
+    _check_on_step(OP, on_step)
     ids, real = _check_prompt(OP, input_ids, attention_mask, target)
-    _check_count(OP, "max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = _check_count(OP, "max_new_tokens", max_new_tokens, 0)
     method, how = _resolve(OP, drafter, method, draft_sampling)
     branching = _branching(OP, drafter, num_draft_tokens, tree_shape)
     if (draft is None) != (drafter == "ngram"):
@@ -372,24 +415,28 @@ def speculative_generate(
     B = ids.shape[0]
     params = _check_params(OP, "params", params, B, dev)
     draft_params = params if draft_params is None else _check_params(OP, "draft_params", draft_params, B, dev)
-    run = _Run(target, ids, real, max_new_tokens, params, method, rng, _eos_ids(OP, eos_token_id), on_step, started)
+    eos = _eos_ids(OP, eos_token_id)
     if drafter == "ngram":
-        _check_count(OP, "prompt_lookup_min", prompt_lookup_min, 1)
-        _check_count(OP, "prompt_lookup_max", prompt_lookup_max, prompt_lookup_min)
+        num_draft_tokens = _check_count(OP, "num_draft_tokens", num_draft_tokens, 1)
+        prompt_lookup_min = _check_count(OP, "prompt_lookup_min", prompt_lookup_min, 1)
+        prompt_lookup_max = _check_count(OP, "prompt_lookup_max", prompt_lookup_max, prompt_lookup_min)
+    run = _Run(target, ids, real, max_new_tokens, params, method, rng, eos, on_step, started, input_ids)
+    if drafter == "ngram":
         run.ngram(num_draft_tokens, prompt_lookup_min, prompt_lookup_max)
     else:
         run.model(draft, draft_params, branching, how, tree=drafter == "tree")
-    return run.out.result(run.stats, input_ids.dim() == 1, input_ids.device, started)
+    return run.out.result(run.stats, run.one_d, run.out_device, started)
 
 
 class _Run:
     """One speculative generation: the target's state, the output and the loop of each drafter."""
 
     def __init__(self, target, ids: Tensor, real: Tensor, max_new: int, params: SamplingParams, method: str, rng,
-                 eos: list[int], on_step, started: float):
+                 eos: list[int], on_step, started: float, input_ids: Tensor):
         self.B, self.dev = ids.shape[0], ids.device
         self.ids, self.real, self.params, self.method = ids, real, params, method
         self.on_step, self.started = on_step, started
+        self.one_d, self.out_device = input_ids.dim() == 1, input_ids.device  # the output's shape and place
         self.out = _Output(self.B, max_new, eos)
         self.stats = GenerationStats(request_target_calls=[0] * self.B)
         self.streams = Streams(rng, self.B, self.dev, OP, horizon=max_new)
@@ -418,7 +465,7 @@ class _Run:
         self.out.add(rows, [a + 1 for a in accepted])
         self.stats.target_calls, self.stats.draft_calls = self.target.calls, draft_calls
         if self.on_step is not None:
-            self.on_step(self.out.result(self.stats, False, self.dev, self.started))
+            self.on_step(self.out.result(self.stats, self.one_d, self.out_device, self.started))
 
     def model(self, draft, draft_params: SamplingParams, branching: tuple[int, ...], how: str, tree: bool) -> None:
         """Drafting with a draft model: a chain (branching 1 at every depth) or a tree."""
