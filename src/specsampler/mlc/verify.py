@@ -158,9 +158,10 @@ def batch_spec_verify(
         full,
     )
     # buffers an engine made under torch.inference_mode are written as there (torch refuses in-place writes to them
-    # outside it: the op failed after writing model_probs, leaving the pointers behind)
-    outside = (model_probs.is_inference() or token_tree_parent_ptr.is_inference()) and \
-        not torch.is_inference_mode_enabled()
+    # outside it: the op failed after writing model_probs, leaving the pointers behind); dynamo cannot trace the
+    # question, and a compiled graph's writes are its own
+    outside = not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled() and (
+        model_probs.is_inference() or token_tree_parent_ptr.is_inference())
     with torch.inference_mode() if outside else contextlib.nullcontext():
         _verify(draft_probs, draft_tokens, model_probs, token_tree_first_child, token_tree_next_sibling,
                 uniform_samples, token_tree_parent_ptr)
