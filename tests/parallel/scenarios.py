@@ -406,7 +406,7 @@ def rounds(shard, g):
         for shape in (BINARY, WIDE):
             tree_ = ss.TokenTree.from_parents(torch.tensor([shape] * B))
             N = len(shape)
-            xt, qt = _sampled_logits(g, B, N), _draft_probs(g, B, N)
+            xt, qt = torch.randn(B, N, V, generator=g) * 2, _draft_probs(g, B, N)
             dt = torch.multinomial(qt.view(-1, V) + 1e-9, 1, generator=g).view(B, N)
             rp = params.rows("", B, N, x.device, False)
             for method, sampling in (("rrs", "iid"), ("rrs", "without_replacement"), ("traversal", "iid"),
@@ -758,8 +758,69 @@ def strategies(shard, g):
     return out
 
 
+def edges(shard, g):
+    """Calls at the contract's edges, by strategy: a batch of no requests (``auto`` planned from an empty batch);
+    logits that require grad (straight from a forward pass); validate='full' on draft probabilities (a negative one
+    on one rank's shard: raised on every rank) and on the rows of absent tree nodes (padding: not checked); a
+    tree's target-only verification of greedy rows (its expected count, as the one-device op's: None). Each entry:
+    (parallel result, one-device result), or the error's argument."""
+    B, K, N = 3, 2, 4
+    x, q = torch.randn(B, K + 1, V, generator=g) * 2, _draft_probs(g, B, K)  # values validate='full' takes
+    drafts = torch.randint(0, V, (B, K), generator=g)
+    tree_ = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, -1], [-1, 0, 1, 2], [-1, -1, -1, -1]]))
+    xt, qt = torch.randn(B, N, V, generator=g) * 2, _draft_probs(g, B, N)
+    xt[tree_.depth < 0] = float("nan")  # absent nodes' rows: padding
+    dt = torch.randint(0, V, (B, N), generator=g)
+    bad, bad_t = _cut(q, shard).clone(), _cut(qt, shard).clone()
+    if shard.start == 0 and shard.size:  # on one rank: request 1's first draft, its node 1
+        bad[1, 0, 0] = bad_t[1, 1, 0] = -0.5
+    params, greedy = ss.SamplingParams(temperature=0.9, top_p=0.8), ss.SamplingParams(temperature=0.0)
+    none = ss.TokenTree.from_parents(torch.zeros(0, N, dtype=torch.long))
+
+    def rng(n=B):
+        return ss.Philox(torch.arange(n))
+
+    def named(fn, *args, **kwargs):
+        try:
+            return outcome(fn(*args, **kwargs))
+        except ValueError as e:
+            return f"ValueError naming {str(e).split(': ')[1]}"
+
+    def outcome(r):  # every output, the expected count included
+        return {k: getattr(r, k).tolist() if isinstance(getattr(r, k), torch.Tensor) else getattr(r, k)
+                for k in ("path", "tokens", "num_accepted", "last_node", "expected_accepted") if hasattr(r, k)}
+
+    out = {}
+    for strategy in ("auto", "shard", "gather"):
+        kw = dict(shard=shard, strategy=strategy)
+        out[strategy, "empty"] = [
+            outcome(parallel.verify_chain_from_logits(_cut(x[:0], shard), drafts[:0], params,
+                                                      draft_probs=_cut(q[:0], shard), rng=rng(0), **kw)),
+            outcome(parallel.verify_tree_from_logits(_cut(xt[:0], shard), dt[:0], none, params, method="rrs",
+                                                     draft_probs=_cut(qt[:0], shard), rng=rng(0), **kw))]
+        grad = _cut(x, shard).requires_grad_()
+        out[strategy, "grad"] = (
+            outcome(parallel.verify_chain_from_logits(grad, drafts, params, draft_probs=_cut(q, shard), rng=rng(),
+                                                      **kw)),
+            outcome(ss.verify_chain_from_logits(x.clone().requires_grad_(), drafts, params, draft_probs=q, rng=rng())))
+        out[strategy, "negative q"] = (
+            named(parallel.verify_chain_from_logits, _cut(x, shard), drafts, params, draft_probs=bad, rng=rng(),
+                  validate="full", **kw),
+            named(parallel.verify_tree_from_logits, _cut(xt, shard), dt, tree_, params, draft_probs=bad_t,
+                  method="rrs", rng=rng(), validate="full", **kw))
+        out[strategy, "absent rows"] = (
+            named(parallel.verify_tree_from_logits, _cut(xt, shard), dt, tree_, params, draft_probs=_cut(qt, shard),
+                  method="rrs", rng=rng(), validate="full", **kw),
+            outcome(ss.verify_tree_from_logits(xt, dt, tree_, params, draft_probs=qt, method="rrs", rng=rng(),
+                                               validate="full")))
+        out[strategy, "greedy target-only"] = (
+            outcome(parallel.verify_tree_from_logits(_cut(xt, shard), dt, tree_, greedy, method="target_only", **kw)),
+            outcome(ss.verify_tree_from_logits(xt, dt, tree_, greedy, method="target_only")))
+    return out
+
+
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
              "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
              "rounds": rounds, "settled": settled, "compact": compact, "nuclei": nuclei, "wide": wide,
              "large vocabulary": large_vocabulary, "wide auto": wide_auto, "fallbacks": fallbacks,
-             "strategies": strategies}
+             "strategies": strategies, "edges": edges}

@@ -161,6 +161,20 @@ def test_rounds_and_bytes_do_not_grow_with_the_vocabulary(ranks):
         assert len(small[0]) == 1  # greedy sampling (with two log-probabilities: its candidates), one round
 
 
+def test_calls_at_the_contract_s_edges_behave_as_the_one_device_op_with_every_strategy(ranks):
+    # an empty batch crashed auto's plan; logits requiring grad broke the shard path's out= ops; validate='full'
+    # skipped draft_probs and rejected the NaN padding of absent nodes' rows; a greedy tree's target-only result
+    # carried an expected count the one-device op does not
+    got = _same_on_every_rank(ranks, "edges")
+    for strategy in ("auto", "shard", "gather"):
+        chain, tree = got[strategy, "empty"]
+        assert chain["tokens"] == [] and chain["num_accepted"] == [] and tree["tokens"] == [], strategy
+        assert got[strategy, "grad"][0] == got[strategy, "grad"][1], strategy
+        assert got[strategy, "negative q"] == ("ValueError naming draft_probs",) * 2, strategy
+        assert got[strategy, "absent rows"][0] == got[strategy, "absent rows"][1], strategy
+        assert got[strategy, "greedy target-only"][0] == got[strategy, "greedy target-only"][1], strategy
+
+
 def test_errors_are_raised_on_every_rank_and_none_waits(ranks):
     assert _same_on_every_rank(ranks, "errors") == [  # with either strategy
         "ValidationError naming logits (on rank 0)", "ValidationError naming rng", "ValidationError naming rng",

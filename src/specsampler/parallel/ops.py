@@ -26,6 +26,7 @@ from ..validation import (
     check_logits_values,
     check_method,
     check_mode,
+    check_probs_values,
     check_shape,
     check_tensor,
     check_token_values,
@@ -124,14 +125,18 @@ def _fingerprint(op: str, logits: Tensor, vocab_mask: Tensor | None, draft_probs
     return digest(logits.device, op, rows(logits), rows(vocab_mask), rows(draft_probs), *args)
 
 
-def _strategy(strategy: str, link: cost.Link, shard: VocabShard, plans) -> str:
+def _strategy(strategy: str, link: cost.Link, shard: VocabShard, plans, rows: int) -> str:
     """``strategy``, or for ``auto`` the one :mod:`.cost` predicts cheaper on ``link`` (``plans()``: the bytes each
-    rank sends per round with ``shard`` and with ``gather``; the same on every rank, so every rank chooses alike)."""
+    rank sends per round with ``shard`` and with ``gather``; the same on every rank, so every rank chooses alike);
+    ``shard`` for a call of no ``rows`` (nothing to weigh: both give the empty result)."""
     if strategy != "auto":
         return strategy
+    if not rows:
+        return "shard"
     return cost.choose(link, dist.get_world_size(shard.group), *plans())
 
 
+@torch.no_grad()
 def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng: Philox | None = None,
                        vocab_mask: Tensor | None = None, num_logprobs: int = 0, *, shard: VocabShard,
                        validate: str = "structure", strategy: str = "auto",
@@ -154,7 +159,7 @@ def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng
     if full:
         _agreed(op, shard, lambda: check_logits_values(op, "logits", logits), dev)
     how = _strategy(strategy, cost.link_of(link, shard), shard,
-                    lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask, shard))
+                    lambda: cost.sample_plan(rp, greedy, num_logprobs, logits, vocab_mask, shard), B)
 
     def fingerprint():
         return _fingerprint(op, logits, vocab_mask, None, params, rng, num_logprobs, validate, strategy, link)
@@ -190,6 +195,7 @@ def _sample(op, x, rp, rng, num_logprobs, shard, fingerprint) -> SampleOutput:
     return SampleOutput(tokens, logprobs, top_ids, in_vector_body(torch.log, top_p))
 
 
+@torch.no_grad()
 def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params: SamplingParams | None = None, *,
                              draft_probs: Tensor | None = None, num_drafts: Tensor | None = None,
                              method: str = "auto", rng: Philox | None = None, vocab_mask: Tensor | None = None,
@@ -220,10 +226,13 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
         _agreed(op, shard, lambda: (
             check_logits_values(op, "target_logits", torch.where(_chain.drafted(n_max, K1, bonus=True)[..., None],
                                                                  target_logits.float(), 0.0)),
-            check_token_values(op, "draft_tokens", torch.where(_chain.drafted(n_max, K), drafts, 0), V)), dev)
+            check_token_values(op, "draft_tokens", torch.where(_chain.drafted(n_max, K), drafts, 0), V),
+            q is not None and check_probs_values(op, "draft_probs", torch.where(_chain.drafted(n_max, K)[..., None],
+                                                                                q.float(), 1.0), whole_rows=False)),
+            dev)
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard,
-                    lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask, shard, link))
+                    lambda: cost.chain_plan(method, greedy, rp, target_logits, q, vocab_mask, shard, link), B)
 
     def fingerprint():
         return _fingerprint(op, target_logits, vocab_mask, q, drafts, params, method, num_drafts, rng, validate,
@@ -257,6 +266,7 @@ class _Argmaxes:
         return self.ids[b, node]
 
 
+@torch.no_grad()
 def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: TokenTree,
                             params: SamplingParams | None = None, *, draft_probs: Tensor | None = None,
                             method: str = "auto", draft_sampling: str = "iid", rng: Philox | None = None,
@@ -288,11 +298,17 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     drafts = draft_tokens.long()
     rp = _rows(op, params, B, N, dev, full)
     if full:
-        _agreed(op, shard, lambda: (check_logits_values(op, "target_logits", target_logits),
-                                    check_token_values(op, "draft_tokens", drafts[tree.depth > 0], V)), dev)
+        depth = tree.depth.to(dev)
+        child, present = depth > 0, (depth >= 0)[..., None]  # absent nodes' rows are padding
+        _agreed(op, shard, lambda: (
+            check_logits_values(op, "target_logits", torch.where(present, target_logits.float(), 0.0)),
+            check_token_values(op, "draft_tokens", torch.where(child, drafts, 0), V),
+            q is not None and check_probs_values(op, "draft_probs", torch.where(child[..., None], q.float(), 1.0),
+                                                 whole_rows=False)),
+            dev)
     link = cost.link_of(link, shard)
     how = _strategy(strategy, link, shard, lambda: cost.tree_plan(method, draft_sampling, greedy, rp, tree,
-                                                                   target_logits, q, vocab_mask, shard, link))
+                                                                   target_logits, q, vocab_mask, shard, link), B)
 
     def fingerprint():
         return _fingerprint(op, target_logits, vocab_mask, q, drafts, tree, params, method, draft_sampling, rng,
@@ -307,7 +323,7 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     c = _walks.TreeInputs(B, N, V, "greedy" if greedy else method, draft_sampling, tree, drafts, q)
     if greedy:
         path, n, y_out = _walks.walk_draws(c, _Argmaxes(shard_argmax(x, shard)[0]), None, op)
-        return _tree._finish(c, path, n, y_out, n.float())
+        return _tree._finish(c, path, n, y_out, n.float() if method == "greedy" else None)  # as the one-device op
     u_draw = uniform(rng, op, B, N, STREAM_SAMPLE, dev)
     u_accept = uniform(rng, op, B, N, STREAM_ACCEPT, dev) if method in ("rrs", "traversal") else None
     if B == 0:
