@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 
 import torch
 from torch import Tensor
@@ -21,6 +20,7 @@ from torch import Tensor
 from .params import SamplingParams
 from .rng import Philox, check_rng
 from .validation import (
+    as_integer,
     check_device,
     check_logits_values,
     check_mode,
@@ -34,16 +34,6 @@ from .validation import (
 from .verify.kv import Cache, compact_kv
 from .verify.token_tree import TokenTree
 from .verify.tree import verify_tree_from_logits
-
-
-def _integer(op: str, name: str, value: object, expected: str) -> int:
-    """``value`` as an int: any integer (NumPy's too), not a bool."""
-    try:
-        if not isinstance(value, bool):
-            return operator.index(value)
-    except TypeError:
-        pass
-    fail(op, name, expected, type(value).__name__)
 
 
 def _tree(op: str, tree_mask: Tensor) -> TokenTree:
@@ -92,7 +82,10 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
             check_shape(op, "non_leaf_len", non_leaf_len, (B,), "[B]")
         check_device(op, "non_leaf_len", non_leaf_len, input_ids.device)
     else:
-        non_leaf_len = _integer(op, "non_leaf_len", non_leaf_len, "an int or an integer tensor [] or [B]")
+        n = as_integer(non_leaf_len)
+        if n is None:
+            fail(op, "non_leaf_len", "an int or an integer tensor [] or [B]", type(non_leaf_len).__name__)
+        non_leaf_len = n
     if values_checkable(cache_lens, full):
         check_no_bad(op, "cache_lens", cache_lens < 0, cache_lens, "lengths >= 0")
     mask = tree.mask()

@@ -9,8 +9,10 @@ was found and, for values, the first offending request.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,6 +27,19 @@ def fail(op: str, name: str, expected: str, actual: object, request: int | None 
     """Raise the one error format of the library."""
     where = f" (request {request})" if request is not None else ""
     raise ValidationError(f"{op}: {name}: expected {expected}, got {actual}{where}")
+
+
+def as_integer(value: object, one_value_tensors: bool = False) -> int | None:
+    """``value`` as a Python int where it is one integer (an int, a NumPy integer, a 0-d integer tensor, or with
+    ``one_value_tensors`` an integer tensor of one value of any rank: what ``operator.index`` takes), never a bool;
+    else None."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, Tensor) and (
+            value.dtype == torch.bool or value.dim() and not one_value_tensors):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_mode(op: str, validate: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import numbers
-import operator
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,7 +20,7 @@ import torch
 from torch import Tensor
 
 from specsampler import Uniforms, verify_chain
-from specsampler.validation import check_mode, check_no_bad, check_tensor, fail
+from specsampler.validation import as_integer, check_mode, check_no_bad, check_tensor, fail
 
 __all__ = ["patched", "speculative_sampling"]
 
@@ -102,10 +101,7 @@ def _verify(candidate_input_ids: Tensor, candidate_logits: Tensor, candidate_len
     V = new_logits.shape[2]
     if candidate_logits.shape[2] != V:
         fail(op, "candidate_logits", f"the vocabulary of new_logits ({V} logits a row)", candidate_logits.shape[2])
-    try:  # an int, NumPy's or a one-value integer tensor (not a bool, a float or a wider tensor)
-        K = None if isinstance(candidate_length, bool) else operator.index(candidate_length)
-    except TypeError:
-        K = None
+    K = as_integer(candidate_length, one_value_tensors=True)  # not a bool, a float or a wider tensor
     if K is None:
         fail(op, "candidate_length", "an integer", repr(candidate_length))
     if not 0 <= K <= min(candidate_input_ids.shape[1], candidate_logits.shape[1], new_logits.shape[1] - 1):

@@ -9,7 +9,6 @@ generation: ``specsampler.generate``".
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from ..kernels import use_triton
 from ..params import SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox
 from ..sampling.ops import sample_from_logits
-from ..validation import check_no_bad, check_tensor, fail
+from ..validation import as_integer, check_no_bad, check_tensor, fail
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _verify_tree_prepared
 from .cache import ModelCache
@@ -117,20 +116,9 @@ def _check_rng(op: str, rng) -> None:
         fail(op, "rng", "None, a torch.Generator or a specsampler.Philox", type(rng).__name__)
 
 
-def _as_int(value) -> int | None:
-    """``value`` as a Python int where it is one integer (an int, a NumPy integer, a 0-d integer tensor: what
-    ``operator.index`` takes) and not a bool; else None."""
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, Tensor) and (value.dim() or value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _check_count(op: str, name: str, value, low: int) -> int:
     """``value`` as an int >= ``low`` (any integer: a NumPy integer or a 0-d integer tensor too)."""
-    n = _as_int(value)
+    n = as_integer(value)
     if n is None or n < low:
         fail(op, name, f"an int >= {low}", repr(value))
     return n
@@ -155,7 +143,7 @@ def _eos_ids(op: str, eos_token_id) -> list[int]:
     """The end ids: None, one integer (an int, a NumPy integer, a 0-d integer tensor) or a sequence of them."""
     if eos_token_id is None:
         return []
-    one = _as_int(eos_token_id)
+    one = as_integer(eos_token_id)
     if one is not None:
         ids = [one]
     elif isinstance(eos_token_id, (str, bytes, Mapping)) or (isinstance(eos_token_id, Tensor)
@@ -163,7 +151,7 @@ def _eos_ids(op: str, eos_token_id) -> list[int]:
         ids = [None]
     else:
         try:
-            ids = [_as_int(i) for i in eos_token_id]
+            ids = [as_integer(i) for i in eos_token_id]
         except TypeError:  # not iterable: a float, an object
             ids = [None]
     if not all(i is not None and i >= 0 for i in ids):
@@ -328,7 +316,7 @@ def _branching(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> tupl
         return (2, 2) + (1,) * (k - 2) if k >= 2 else (2,)
     listed = isinstance(tree_shape, Sequence) and not isinstance(tree_shape, (str, bytes)) or (
         isinstance(tree_shape, (np.ndarray, Tensor)) and tree_shape.ndim == 1)
-    shape = tuple(_as_int(c) for c in tree_shape) if listed else ()
+    shape = tuple(as_integer(c) for c in tree_shape) if listed else ()
     if not shape or not all(c is not None and c >= 1 for c in shape):
         fail(op, "tree_shape", "a non-empty list of integer branching factors >= 1 per depth (e.g. [3, 2, 1])",
              repr(tree_shape))
