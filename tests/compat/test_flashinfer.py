@@ -156,6 +156,26 @@ def test_joint_filters_the_original_probs_and_top_k_first_the_renormalised_top_k
     assert_counts_match(_counts(joint, 4), _expected([0.4, 0.2, 0.2, 0.2], [0, 1]), label="joint")
 
 
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_top_k_max_bounds_each_rows_k_where_flashinfer_0_7_4_reads_it(from_logits):
+    """FlashInfer 0.7.4's ``top_k_max``: with a ``top_k`` tensor on "top_k_first" over V >= 65536 rows, each
+    row keeps ``min(k, top_k_max)`` tokens ("no top-k" -1 and k >= V: ``top_k_max``; 0: 1); elsewhere ignored."""
+    V, n = 65536, mc_trials(400, 100)
+    logits = torch.linspace(2.0, 0.0, V).repeat(4, 1)  # token i has rank i in every row
+    x = logits if from_logits else logits.softmax(-1)
+    fn = flashinfer.top_k_top_p_sampling_from_logits if from_logits else flashinfer.top_k_top_p_sampling_from_probs
+    rows = torch.arange(4).repeat(n)
+    top_k = torch.tensor([-1, V, 5, 0])
+    tokens = fn(x, top_k, 1.0, indices=rows, seed=7, offset=0, top_k_max=8)
+    assert [int(tokens[rows == r].max()) for r in range(4)] == [7, 7, 4, 0]
+    # a bound past 256, a scalar top_k or "joint": FlashInfer ignores it, so k -1 keeps every token
+    for kw in ({"top_k_max": 257}, {"top_k_max": 8, "filter_apply_order": "joint"}):
+        assert int(fn(x, top_k, 1.0, indices=rows, seed=7, offset=0, **kw)[rows == 0].max()) > 8
+    assert int(fn(x, -1, 1.0, indices=rows, seed=7, offset=0, top_k_max=8).max()) > 8
+    small = x[:, :1000]  # V < 65536: not read
+    assert int(fn(small, top_k, 1.0, indices=rows, seed=7, offset=0, top_k_max=8)[rows == 0].max()) > 8
+
+
 @pytest.mark.parametrize("name, call, keep", [
     ("sampling_from_probs", lambda p, **kw: flashinfer.sampling_from_probs(p, **kw), [0, 1, 2, 3, 4]),
     ("top_k", lambda p, **kw: flashinfer.top_k_sampling_from_probs(p, 3, **kw), [1, 3, 4]),

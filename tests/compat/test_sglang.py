@@ -61,6 +61,17 @@ def test_package_and_sampling_module_expose_sgl_kernels_names():
     assert sgl_kernel.tree_speculative_sampling_target_only_rejmask is sgl_kernel.tree_speculative_sampling_target_only
 
 
+def test_verify_tree_greedy_cpu_is_sgl_kernels_cpu_name_for_the_greedy_walk():
+    """sgl_kernel 0.4.10 exports ``verify_tree_greedy_cpu`` (same signature) for CPU engines."""
+    assert sgl_kernel.verify_tree_greedy_cpu is sgl_kernel.verify_tree_greedy
+    first_child, next_sibling = _links([-1, 0, 1], 2)
+    predicts, accept_index, accept_token_num = _outputs(2, 6, 3)
+    sgl_kernel.verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, torch.tensor([[0, 1, 2], [0, 7, 8]]),
+                                      torch.tensor([[0, 1, 2], [3, 4, 5]]), first_child, next_sibling,
+                                      torch.tensor([[1, 2, 4], [9, 8, 7]]))
+    assert accept_token_num.tolist() == [2, 0] and predicts.tolist()[:4] == [1, 2, 4, 9]
+
+
 # ----------------------------------------------------------------------------- tree_speculative_sampling_target_only
 
 

@@ -255,6 +255,11 @@ def _draft_prob_call(candidates, coins, final, target, draft, threshold=T_REJECT
     return predicts, accept_index, accept_token_num
 
 
+def test_verify_chain_target_sampled_takes_enable_pdl_by_keyword_with_tokenspeeds_default_none():
+    param = inspect.signature(verify_chain_target_sampled).parameters["enable_pdl"]
+    assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is None  # tokenspeed 0.1.4's
+
+
 def test_the_newest_keywords_are_keyword_only_and_default_to_the_older_releases_call():
     params = inspect.signature(chain_speculative_sampling_target_only).parameters
     for name in ("use_draft_prob", "reject_draft_prob_threshold"):

@@ -114,13 +114,14 @@ def verify_chain_target_sampled(
     candidates: Tensor,
     target_sampled: Tensor,
     *,
-    enable_pdl: bool = False,
+    enable_pdl: bool | None = None,
 ) -> None:
     """Chain verification against target tokens sampled beforehand, in place (as :func:`verify_chain_greedy`).
 
     ``target_sampled``: int32 or int64, ``B * N`` elements (flat): the target's token after each
     position. Lossless when those tokens were drawn from the target: the sample-then-compare rule of
     ``specsampler.verify_chain(method="target_only")``. Checks and messages are tokenspeed's ValueErrors.
+    ``enable_pdl`` (keyword only; None, tokenspeed 0.1.4's default): accepted, no effect.
     """
     if candidates.ndim != 2:
         raise ValidationError(f"candidates must be 2D, got {candidates.ndim}D")

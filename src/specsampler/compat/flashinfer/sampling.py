@@ -1,4 +1,4 @@
-"""FlashInfer's sampling API (``flashinfer.sampling``, FlashInfer 0.7.2) on specsampler's ops.
+"""FlashInfer's sampling API (``flashinfer.sampling``, FlashInfer 0.7.4) on specsampler's ops.
 
 Every function keeps FlashInfer's signature, defaults, output dtypes and tuple returns, and maps onto one
 public specsampler op (named in its docstring). What stays as in FlashInfer (dtypes, ``indices``, NaN rows,
@@ -54,6 +54,10 @@ _TOP_P_MIN = torch.finfo(torch.float32).tiny  # top_p 0: the prefix reaching any
 # logits exactly (their order and ties unchanged) and leaves every kept weight far from underflow.
 _ORDER_TEMPERATURE = 2.0**20
 _ROWS_PER_INVERSION = 1 << 24  # elements of the float64 cumulative sums inverted at once with ``indices``
+# FlashInfer 0.7.4 reads ``top_k_max`` only where its "top_k_first" fast path runs: a bound of at most this k
+# on rows of at least this many tokens (outside them it ignores the argument).
+_TOP_K_MAX_MAX_K = 256
+_TOP_K_MAX_MIN_VOCAB = 65536
 
 
 # ----------------------------------------------------------------------------- validation and conversion
@@ -114,6 +118,22 @@ def _top_p(top_p: float | Tensor, rows: int) -> float | Tensor:
     if isinstance(top_p, Tensor):
         return top_p.float().clamp(_TOP_P_MIN, 1.0)
     return min(max(float(top_p), _TOP_P_MIN), 1.0)
+
+
+def _top_k_first_bound(top_k: int | Tensor, top_k_max: object, x: Tensor) -> int | Tensor:
+    """``top_k`` as FlashInfer 0.7.4's "top_k_first" samples it given ``top_k_max``.
+
+    Where it reads the bound (``top_k`` a tensor ``[U]`` of the ``[U, V]`` input, ``0 < top_k_max <= 256``,
+    ``top_k_max < V``, ``V >= 65536``) row k becomes ``min(k, top_k_max)``, with ``k < 0`` ("no top-k") as
+    ``top_k_max`` and ``k = 0`` as 1; elsewhere ``top_k`` as given (``top_k_max`` ignored, as FlashInfer).
+    """
+    V = x.size(-1)
+    if (not isinstance(top_k, Tensor) or top_k.shape != (x.size(0),) or top_k_max is None
+            or not 0 < top_k_max <= _TOP_K_MAX_MAX_K or top_k_max >= V or V < _TOP_K_MAX_MIN_VOCAB):
+        return top_k
+    k = top_k.long()
+    # its radix top-k selects top_k_max entries and masks each row past its own k, so no row keeps more
+    return torch.where(k < 0, top_k_max, k.clamp(1, top_k_max))
 
 
 def _min_p(min_p: float | Tensor, rows: int) -> float | Tensor:
@@ -412,19 +432,23 @@ def top_k_top_p_sampling_from_probs(
     seed: Seed = None,
     offset: Seed = None,
     return_valid: bool = False,
+    top_k_max: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Top-k and top-p sampling from probabilities, then :func:`specsampler.sample`.
 
     ``filter_apply_order="top_k_first"``: :func:`specsampler.top_k_renorm`, then
     :func:`specsampler.top_p_renorm` on the renormalised top-k (specsampler's own order of filters).
     ``"joint"``: the tokens in both the top-k and the top-p set of the original probabilities.
-    top_k: int or int tensor ``[U]``; top_p: float or float tensor ``[U]``. Otherwise as
-    :func:`sampling_from_probs`; another order raises ``ValueError("Invalid filter_apply_order: ...")``.
+    top_k: int or int tensor ``[U]``; top_p: float or float tensor ``[U]``; ``top_k_max``: FlashInfer 0.7.4's
+    unchecked bound on a ``top_k`` tensor, read with ``"top_k_first"`` as it reads it (see
+    ``_top_k_first_bound``: rows above it, "no top-k" rows included, keep ``top_k_max`` tokens). Otherwise
+    as :func:`sampling_from_probs`; another order raises ``ValueError("Invalid filter_apply_order: ...")``.
     """
     op = "flashinfer.top_k_top_p_sampling_from_probs"
     if filter_apply_order == "top_k_first":
         def filt(p, rows):
-            return top_p_renorm(top_k_renorm(p, _top_k(top_k, rows)), _top_p(top_p, rows))
+            k = _top_k_first_bound(top_k, top_k_max, p)
+            return top_p_renorm(top_k_renorm(p, _top_k(k, rows)), _top_p(top_p, rows))
     elif filter_apply_order == "joint":
         def filt(p, rows):
             return _joint(p, _top_k(top_k, rows), _top_p(top_p, rows))
@@ -444,6 +468,7 @@ def top_k_top_p_sampling_from_logits(
     check_nan: bool = False,
     seed: Seed = None,
     offset: Seed = None,
+    top_k_max: int | None = None,
 ) -> Tensor:
     """Top-k and top-p sampling from logits.
 
@@ -452,7 +477,8 @@ def top_k_top_p_sampling_from_logits(
     :func:`specsampler.logits_to_probs` on each row once). ``"joint"``: as FlashInfer,
     ``torch.softmax`` then :func:`top_k_top_p_sampling_from_probs` (``"joint"``), so both entry points
     draw the same tokens from the same generator state. ``check_nan`` checks the softmax, as FlashInfer
-    (``"Input probs contains NaN."``). Returns int32 ``[U]`` (``indices.dtype`` ``[N]``).
+    (``"Input probs contains NaN."``). ``top_k_max`` as in :func:`top_k_top_p_sampling_from_probs`.
+    Returns int32 ``[U]`` (``indices.dtype`` ``[N]``).
     """
     op = "flashinfer.top_k_top_p_sampling_from_logits"
     if filter_apply_order not in ("top_k_first", "joint"):
@@ -463,6 +489,7 @@ def top_k_top_p_sampling_from_logits(
         return top_k_top_p_sampling_from_probs(torch.softmax(logits, dim=-1), top_k, top_p, indices, "joint",
                                                deterministic, generator, False, seed, offset)
     rows = _rows(op, "logits", logits)
+    top_k = _top_k_first_bound(top_k, top_k_max, logits)
     params = SamplingParams(top_k=_top_k(top_k, rows), top_p=_top_p(top_p, rows))
     return _sample_logits(op, logits, params, indices, generator, seed, offset)
 

@@ -40,6 +40,7 @@ __all__ = [
     "tree_speculative_sampling_target_only",
     "tree_speculative_sampling_target_only_rejmask",
     "verify_tree_greedy",
+    "verify_tree_greedy_cpu",
 ]
 
 
@@ -422,3 +423,8 @@ def verify_tree_greedy(
     path = res.path[:, :S]
     _write_walk(predicts, accept_index, accept_token_num, index, path, res.num_accepted,
                 predicted.gather(1, path.clamp(min=0)))
+
+
+# sgl_kernel (0.4.10) exports its host implementation of the same walk under this name for CPU engines; here
+# one function serves both (CPU and CUDA tensors)
+verify_tree_greedy_cpu = verify_tree_greedy
