@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # A GPU session in one or two device-tool calls, run from the repository root on the GPU machine (its image
 # has torch, triton, pytest, pytest-xdist, pytest-timeout, hypothesis, scipy and transformers; nothing is
-# installed). Phases run in the order given, each under its own time limit, so a call always reaches its end and
-# names what it could not finish; logs and results go under $OUT (default ./gpu-out), at most 8 files.
+# installed). Phases run in the order given, each under its own time limit, all within the call's budget
+# ($BUDGET_S, default 470 s: under 8 minutes; give the device tool's timeout_s at least 30 s more): a step's
+# limit is cut to what is left of the budget and a step with under 20 s left is skipped, named SKIPPED, so a call
+# always reaches its end and names what it could not finish. Logs and results go under $OUT (default ./gpu-out),
+# at most 8 files (the device tool returns no more).
 #
 #   bash benchmarks/gpu_session.sh check        # ~6.5 min: warmup tests demo latency
-#   bash benchmarks/gpu_session.sh measure      # <= 9.5 min: flashinfer latency bench tests (FlashInfer built
+#   bash benchmarks/gpu_session.sh measure      # <= 8 min: flashinfer latency bench tests (FlashInfer built
 #                                               #   while the latency phase compiles and runs)
 #   bash benchmarks/gpu_session.sh warmup       # compile every specialisation of V = 128256 (bf16 and float32
 #                                               #   logits) in 16 processes; a second process from the cache
@@ -32,20 +35,40 @@ set -uo pipefail
                   exit 2; }
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+# the end of the call's budget, shared with the nested runs of check and measure
+export SESSION_END=${SESSION_END:-$(( $(date +%s) + ${BUDGET_S:-470} ))}
+# FlashInfer's build markers, outside $OUT (whose files the device tool returns, at most 8)
+FI_STATE=${TMPDIR:-/tmp}/specsampler-fi-state
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 log="$OUT/session.log"
 say() { echo "$*" | tee -a "$log"; }
-# run a phase under a time limit: limit_s name command...; its output to $OUT/<name>.log (appended)
+# run a phase under a time limit: limit_s name command...; its output to $OUT/<name>.log (appended). The limit is
+# cut to the call's budget less 15 s (the kill's grace and the lines after the step); under 20 s left: skipped
 step() {
-  local limit=$1 name=$2 start rc
+  local limit=$1 name=$2 start rc left
   shift 2
   start=$(date +%s)
+  left=$(( SESSION_END - start - 15 ))
+  if [ "$left" -lt 20 ]; then
+    say "[$name] SKIPPED: ${left} s left of the call's budget (BUDGET_S): $*"
+    return 124
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
   timeout --kill-after=10 "$limit" "$@" >>"$OUT/$name.log" 2>&1
   rc=$?
-  say "[$name] exit $rc after $(( $(date +%s) - start )) s (limit $limit s)$([ $rc = 124 ] && echo ': CUT OFF')"
+  say "[$name] exit $rc after $(( $(date +%s) - start )) s (limit $limit s)$(
+    case $rc in 124|137) echo ': CUT OFF';; esac)"
   return $rc
 }
+# pytest's options for naming each test with its outcome: -v, and a per-test timeout (pytest-timeout, on the GPU
+# image) that ends a test hung in C code too (thread: the worker exits, xdist names the test and starts another);
+# -n (pytest-xdist) where installed
+pytest_opts() {  # per-test timeout in s
+  python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout $1 --timeout-method=thread"
+  python3 -c "import xdist" 2>/dev/null && echo "-n 8"
+}
+
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'SMs',
 torch.cuda.get_device_properties(0).multi_processor_count)"; nproc; } | tee -a "$log"
@@ -83,13 +106,14 @@ PY
   # baselines) and takes the top-k one only if it is built by then. top_k_top_p_sampling_from_logits takes the
   # top-k module (a radix top-k, then top-p over the k) only from V = 65536 on. Measured 2026-11-27: the sampling
   # module about 100 s on both machines; the top-k module over 300 s on the H100 machine (cut off there)
-  rm -f "$OUT/.fi-sampling" "$OUT/.fi-topk"
+  mkdir -p "$FI_STATE"
+  rm -f "$FI_STATE/sampling" "$FI_STATE/topk"
   ( step 240 flashinfer python3 -c "import time, torch, flashinfer.sampling as s; t = time.time()
 x = torch.randn(2, 4096, device='cuda'); s.top_p_renorm_probs(s.top_k_renorm_probs(s.softmax(x), 5), 0.9)
-print(f'FlashInfer sampling module built and loaded in {time.time() - t:.0f} s')" && touch "$OUT/.fi-sampling"
+print(f'FlashInfer sampling module built and loaded in {time.time() - t:.0f} s')" && touch "$FI_STATE/sampling"
     step "${FI_TOPK_LIMIT:-900}" flashinfer python3 -c "import time, torch, flashinfer.sampling as s
 t = time.time(); s.top_k_top_p_sampling_from_logits(torch.randn(2, 65536, device='cuda'), 5, 0.9)
-print(f'FlashInfer top-k module built and loaded in {time.time() - t:.0f} s')" && touch "$OUT/.fi-topk" ) &
+print(f'FlashInfer top-k module built and loaded in {time.time() - t:.0f} s')" && touch "$FI_STATE/topk" ) &
   fi_build=$!
 }
 
@@ -102,8 +126,8 @@ for phase in "$@"; do
       step 60 warmup python3 -m specsampler.cli warmup --vocab-size 128256 --dtype bfloat16
       grep -h "launches warmed up" "$OUT/warmup.log" | tee -a "$log" ;;
     tests)  # the GPU tests (or those named in $TESTS), each named with its outcome (-v: a line per test)
-      # shellcheck disable=SC2086
-      step "${TESTS_LIMIT:-230}" tests python3 -m pytest -v -n 8 --timeout 120 -p no:cacheprovider ${TESTS:--m gpu tests}
+      # shellcheck disable=SC2046,SC2086
+      step "${TESTS_LIMIT:-230}" tests python3 -m pytest -v $(pytest_opts 120) -p no:cacheprovider ${TESTS:--m gpu tests}
       grep -hE "^(FAILED|ERROR)|(passed|failed|error).* in " "$OUT/tests.log" | tee -a "$log" ;;
     demo)  # the demo on the GPU: cold (its kernels for V = 256 compiled), then warm (from the cache)
       step 150 demo python3 -m specsampler.cli demo --device cuda
@@ -118,16 +142,17 @@ for phase in "$@"; do
     bench)  # chains (V = 128256), sampling and trees, with FlashInfer's baselines when flashinfer ran before
       fi_args=()
       if [ -n "${fi_build:-}" ]; then
-        while [ ! -f "$OUT/.fi-sampling" ] && kill -0 "$fi_build" 2>/dev/null; do sleep 2; done
-        [ -f "$OUT/.fi-topk" ] || fi_args=(--no-flashinfer-topk)
-        say "[bench] FlashInfer modules built: $(ls "$OUT"/.fi-* 2>/dev/null | sed 's/.*\.fi-//' | tr '\n' ' ')"
+        while [ ! -f "$FI_STATE/sampling" ] && kill -0 "$fi_build" 2>/dev/null; do sleep 2; done
+        [ -f "$FI_STATE/topk" ] || fi_args=(--no-flashinfer-topk)
+        say "[bench] FlashInfer modules built: $(find "$FI_STATE" -type f -printf '%f ' 2>/dev/null)"
       fi
       # shellcheck disable=SC2086
       step "${BENCH_LIMIT:-280}" bench python3 benchmarks/gpu.py --only chain --only sampling --only tree --reps 10 \
         ${GPU_ARGS:---chain-vocab 128256} "${fi_args[@]}" --out "$OUT/gpu-bench.json"
       tail -n 40 "$OUT/bench.log" ;;
     exact)  # the exactness Monte Carlo against the kernels at full size
-      SPECSAMPLER_FULL_MC=1 step 400 exact python3 -m pytest -v -n 8 --timeout 300 -p no:cacheprovider -m gpu \
+      # shellcheck disable=SC2046
+      SPECSAMPLER_FULL_MC=1 step 400 exact python3 -m pytest -v $(pytest_opts 300) -p no:cacheprovider -m gpu \
         tests/kernels/test_kernels_exactness.py tests/mlc/test_mlc_sampler.py tests/mlc/test_mlc_verify.py
       grep -hE "^(FAILED|ERROR)|(passed|failed|error).* in " "$OUT/exact.log" | tee -a "$log" ;;
     tune)  # the benchmark shapes, kernels only, under each setting of $SETTINGS (';'-separated environment
@@ -139,16 +164,29 @@ SPECSAMPLER_PIPELINE_STAGES=4 SPECSAMPLER_PROGRAMS_PER_SM=1;SPECSAMPLER_PIPELINE
         # shellcheck disable=SC2086
         step 240 tune env ${settings[$i]} python3 benchmarks/gpu.py --no-baselines --reps 10 ${GPU_ARGS:-} \
           --out "$OUT/tune-$i.json"
-        files+=("$OUT/tune-$i.json")
+        [ -s "$OUT/tune-$i.json" ] && files+=("$OUT/tune-$i.json")  # a run cut off keeps what it measured
       done
-      python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/tune-compare.txt" | tee -a "$log" ;;
+      if [ ${#files[@]} -gt 0 ]; then
+        python3 benchmarks/gpu.py --compare "${files[@]}" | tee "$OUT/tune-compare.txt" | tee -a "$log"
+      fi ;;
     parallel)  # the shard path's PyTorch ops on CUDA tensors (float64 masses included) against gathering, one GPU
       # shellcheck disable=SC2086
       step "${PARALLEL_LIMIT:-150}" parallel python3 benchmarks/parallel.py \
         ${PARALLEL_ARGS:---device cuda --worlds 1 --B 32 --K 8 --V 128256} --out "$OUT/gpu-parallel.json"
       tail -n 14 "$OUT/parallel.log" | tee -a "$log" ;;
     check) bash "$0" warmup tests demo latency ;;
-    measure) TESTS_LIMIT=150 LATENCY_LIMIT=120 BENCH_LIMIT=260 bash "$0" flashinfer latency bench tests ;;
+    measure) TESTS_LIMIT=120 LATENCY_LIMIT=100 BENCH_LIMIT=240 bash "$0" flashinfer latency bench tests ;;
     *) echo "unknown phase: $phase" >&2; exit 2 ;;
   esac
 done
+# FlashInfer's modules still building when the phases are done: nothing here reads them any more (the device tool
+# would kill the build at the call's end anyway); say so, and stop it (the subshell, then the step it runs)
+if [ -n "${fi_build:-}" ] && kill -0 "$fi_build" 2>/dev/null; then
+  say "[flashinfer] still building when the phases ended (built: $(find "$FI_STATE" -type f -printf '%f ' \
+2>/dev/null)): stopped"
+  kids=$(pgrep -P "$fi_build")
+  kill "$fi_build" 2>/dev/null
+  # shellcheck disable=SC2086
+  [ -n "$kids" ] && kill $kids 2>/dev/null
+  wait "$fi_build" 2>/dev/null
+fi
