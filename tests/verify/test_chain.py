@@ -168,6 +168,22 @@ def test_mixed_greedy_and_sampled_requests_in_one_batch():
     assert torch.equal(res.tokens[greedy, K], logits[greedy, K].argmax(-1))
 
 
+def test_a_float64_temperature_below_float32_is_sampled_as_the_same_scalar_is():
+    """A positive temperature float32 rounds to 0 (1e-46) acts as 2**-126 given as a scalar: a draw among the tied
+    largest logits. Given as a float64 tensor it became 0, greedy: always the lowest of them."""
+    B, K = 64, 1
+    logits = torch.tensor([1.0, 1.0, 0.0]).expand(B, K + 1, 3)
+    drafts = torch.zeros(B, K, dtype=torch.long)
+    rng = ss.Philox(torch.arange(B))
+    scalar = ss.verify_chain_from_logits(logits, drafts, SP(temperature=1e-46), rng=rng)
+    tensor = ss.verify_chain_from_logits(logits, drafts, SP(temperature=torch.full((B,), 1e-46, dtype=torch.float64)),
+                                         rng=rng)
+    assert set(scalar.tokens[:, 0].tolist()) == {0, 1}  # tied largest logits: either, never the smaller
+    assert torch.equal(tensor.tokens, scalar.tokens)
+    sampled = ss.sample_from_logits(logits[:, 0], SP(temperature=torch.full((B,), 1e-46, dtype=torch.float64)), rng)
+    assert torch.equal(sampled.tokens, ss.sample_from_logits(logits[:, 0], SP(temperature=1e-46), rng).tokens)
+
+
 def test_draft_ids_outside_the_vocabulary_are_never_accepted():
     B, K, V = 4, 3, 5
     p = torch.full((B, K + 1, V), 1 / V)

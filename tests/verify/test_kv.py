@@ -70,3 +70,25 @@ def test_bad_kv_inputs_are_named():
                       torch.tensor([1, 1]))
     with pytest.raises(ValueError, match=r"cache: expected a tensor, a list .* or a Hugging Face DynamicCache"):
         ss.compact_kv({"k": cache}, torch.tensor([0, 0]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([1, 1]))
+
+
+@pytest.mark.parametrize("seq_dim", [0, -4, -5, 2.0, True, None])
+def test_a_seq_dim_that_is_not_a_sequence_dim_is_named(seq_dim):
+    """A float or None leaked a TypeError, -5 an IndexError, and the batch dim (0, -4) was taken as the sequence dim:
+    entries moved between requests' rows, or an error about positions."""
+    cache = torch.arange(24.0).view(4, 1, 6, 1)
+    before = cache.clone()
+    ones = torch.ones(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"compact_kv: (seq_dim: expected an int|cache tensor 0: expected a batch dim"
+                                         r" of size B = 4 and a sequence dim .* other than it)"):
+        ss.compact_kv(cache, ones * 0, torch.tensor([[0, 2]] * 4), ones, seq_dim=seq_dim)
+    assert torch.equal(cache, before)
+
+
+def test_a_negative_seq_dim_counts_from_the_end():
+    torch.manual_seed(3)
+    cache = torch.randn(2, 3, 8, 2)
+    cache_lens, path, n = torch.tensor([1, 2]), torch.tensor([[0, 3], [0, 1]]), torch.tensor([1, 1])
+    expected = _expected(cache, cache_lens, path, n)
+    ss.compact_kv(cache, cache_lens, path, n, seq_dim=-2)
+    assert torch.equal(cache, expected)

@@ -34,6 +34,23 @@ def test_first_child_next_sibling_keeps_link_order():
     assert tree.depth.tolist() == [[0, 1, 1, 2]]
 
 
+def test_a_tree_stays_as_built_when_the_callers_buffers_are_written_after():
+    """from_parents and from_first_child_next_sibling kept a CPU int64 input as the tree's own tensor: an engine
+    writing the buffer for its next step changed ``parents`` but not the links built from it, and the walk read a
+    tree that is neither (here it stopped at node 1, whose child 3 has become node 2's)."""
+    p = torch.tensor([[[0.0, 1.0, 0.0]] * 4])  # every row draws token 1
+    drafts = torch.tensor([[0, 1, 2, 1]])
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    fc, ns = torch.tensor([[1, 3, -1, -1]]), torch.tensor([[-1, 2, -1, -1]])
+    trees = [TokenTree.from_parents(parents), TokenTree.from_first_child_next_sibling(fc, ns)]
+    parents[0, 3] = 2
+    fc[0] = torch.tensor([2, -1, 3, -1])
+    ns[0, 2] = 1
+    for tree in trees:
+        assert tree.parents.tolist() == [[-1, 0, 0, 1]] and tree.first_child.tolist() == [[1, 3, -1, -1]]
+        assert verify_tree(p, drafts, tree, method="target_only").path.tolist() == [[0, 1, 3]]
+
+
 def test_root_only_and_single_chain():
     tree = TokenTree.from_parents(torch.tensor([[-1], [-1]]))
     assert tree.max_depth == 0 and tree.num_nodes.tolist() == [1, 1]

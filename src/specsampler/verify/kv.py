@@ -7,7 +7,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..validation import check_device, check_mode, check_no_bad, check_shape, check_tensor, fail, values_checkable
+from ..validation import (
+    as_integer,
+    check_device,
+    check_mode,
+    check_no_bad,
+    check_shape,
+    check_tensor,
+    fail,
+    values_checkable,
+)
 
 Cache = Tensor | Sequence
 
@@ -48,7 +57,7 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
             (``TreeResult.path``).
         num_accepted: integer ``[B]`` (``TreeResult.num_accepted``).
         seq_dim: the sequence dimension of every cache tensor (2 for ``[B, H, S, D]``, 1 for
-            ``[B, S, H, D]``).
+            ``[B, S, H, D]``; negative counts from the end), an int other than the batch dim 0.
         validate: ``"structure"`` or ``"full"`` (positions inside the cache are then checked
             on every device, not only on the CPU).
     """
@@ -61,9 +70,13 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
         check_tensor(op, name, t, kind="int", ndim=1)
         check_shape(op, name, t, (B,), "[B]")
         check_device(op, name, t, path.device)
+    dim = as_integer(seq_dim)
+    if dim is None:
+        fail(op, "seq_dim", "an int", repr(seq_dim))
     for i, t in enumerate(tensors):
-        if t.dim() <= seq_dim or t.shape[0] != B:
-            fail(op, f"cache tensor {i}", f"a batch dim of size B = {B} and a sequence dim {seq_dim}",
+        # the sequence dim, counted from either end, is not the batch dim 0: moves never cross requests' rows
+        if not (1 <= dim < t.dim() or -t.dim() < dim < 0) or t.shape[0] != B:
+            fail(op, f"cache tensor {i}", f"a batch dim of size B = {B} and a sequence dim {seq_dim} other than it",
                  f"shape {list(t.shape)}")
         check_device(op, f"cache tensor {i}", t, path.device)
     j = torch.arange(J, device=path.device)
@@ -71,7 +84,7 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
     src = cache_lens[:, None].long() + path.long().clamp(min=0)
     dst = cache_lens[:, None].long() + j
     if tensors:
-        S = min(t.shape[seq_dim] for t in tensors)
+        S = min(t.shape[dim] for t in tensors)
         for name, pos in (("cache_lens + path", src), ("cache_lens + j", dst)):
             outside = valid & ((pos < 0) | (pos >= S))
             if values_checkable(pos, full):
@@ -80,5 +93,5 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
     b = torch.arange(B, device=path.device)[:, None].expand(B, J)[valid]
     src, dst = src[valid], dst[valid]
     for t in tensors:
-        seq_first = t.movedim(seq_dim, 1)  # a view: writes land in t
+        seq_first = t.movedim(dim, 1)  # a view: writes land in t
         seq_first[b, dst] = seq_first[b, src]

@@ -145,7 +145,8 @@ class TokenTree:
         tried in increasing index.
         """
         op = "TokenTree.from_parents"
-        p = _int_nodes(op, "parents", parents).detach().to("cpu", torch.int64)
+        # a copy of the tree's own: a caller that writes its buffer for the next step leaves this tree as built
+        p = _int_nodes(op, "parents", parents).detach().to("cpu", torch.int64, copy=True)
         B, N = p.shape
         idx = torch.arange(N).expand(B, N)
         _fail_at(op, (idx == 0) & (p != -1), "parents", "-1 (node 0 is the root)", p)
@@ -169,8 +170,9 @@ class TokenTree:
         tried in link order.
         """
         op = "TokenTree.from_first_child_next_sibling"
-        fc = _int_nodes(op, "first_child", first_child).detach().to("cpu", torch.int64)
-        ns = _int_nodes(op, "next_sibling", next_sibling).detach().to("cpu", torch.int64)
+        # copies of the tree's own (as from_parents)
+        fc = _int_nodes(op, "first_child", first_child).detach().to("cpu", torch.int64, copy=True)
+        ns = _int_nodes(op, "next_sibling", next_sibling).detach().to("cpu", torch.int64, copy=True)
         check_shape(op, "next_sibling", ns, fc.shape, "[B, N] (as first_child)")
         B, N = fc.shape
         for name, t in (("first_child", fc), ("next_sibling", ns)):
