@@ -936,6 +936,16 @@ def test_bad_input_names_argument_expected_and_actual(call, fragments):
         assert fragment in str(err.value), (fragment, str(err.value))
 
 
+@pytest.mark.parametrize("n", [np.int64(2), np.int32(2), torch.tensor(2)], ids=["int64", "int32", "tensor"])
+def test_num_logprobs_takes_numpy_integers_and_0d_tensors_as_the_other_counts(n):
+    logits = torch.randn(2, 8)
+    want = ss.sample_from_logits(logits, rng=ss.Philox(0), num_logprobs=2)
+    got = ss.sample_from_logits(logits, rng=ss.Philox(0), num_logprobs=n)
+    assert torch.equal(got.top_token_ids, want.top_token_ids) and torch.equal(got.tokens, want.tokens)
+    with pytest.raises(ValueError, match="num_logprobs"):
+        ss.sample_from_logits(logits, rng=ss.Philox(0), num_logprobs=True)
+
+
 def test_full_validation_checks_values_and_names_the_request():
     logits = torch.zeros(3, 4)
     logits[2, 1] = float("nan")
