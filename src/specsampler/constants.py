@@ -20,9 +20,12 @@ LIMIT = 4096
 _KEPT: dict[tuple, Tensor] = {}
 
 
-def _kept(key: tuple, make) -> Tensor:
+def _kept(key, make) -> Tensor:
+    """The tensor ``make()`` gives, kept under ``key()`` (a tuple; a function, as sizes may be symbolic while
+    torch.compile traces, where nothing is kept and a key could not be formed)."""
     if torch.compiler.is_compiling():
         return make()
+    key = key()
     t = _KEPT.get(key)
     if t is not None:
         return t
@@ -48,14 +51,14 @@ def full(n: int, value: float | int, dtype: torch.dtype, device: torch.device | 
     """``torch.full((n,), value, dtype=dtype, device=device)``, shared: never write to it."""
     device = _device(device)
     # repr tells -0.0 from 0.0 (equal as keys) and 1 from 1.0
-    return _kept(("full", n, repr(value), dtype, device),
+    return _kept(lambda: ("full", n, repr(value), dtype, device),
                  lambda: torch.full((n,), value, dtype=dtype, device=device))
 
 
 def index_in_request(batch: int, count: int, device: torch.device | str) -> Tensor:
     """int64 ``[batch * count]``: ``0 .. count-1`` for each of ``batch`` requests (request-major), shared."""
     device = _device(device)
-    return _kept(("index", batch, count, device),
+    return _kept(lambda: ("index", batch, count, device),
                  lambda: torch.arange(count, device=device).repeat(batch))
 
 
@@ -63,8 +66,8 @@ def plan_counters(plan: tuple[tuple[int, int], ...], device: torch.device | str)
     """An op's planned draws (``(stream, count)`` pairs, :func:`specsampler.rng.planned`) laid side by side: each
     draw's index within its stream and its stream, int64 ``[sum of counts]`` each, shared."""
     device = _device(device)
-    index = _kept(("plan index", plan, device), lambda: torch.cat(
+    index = _kept(lambda: ("plan index", plan, device), lambda: torch.cat(
         [torch.arange(count, dtype=torch.int64) for _, count in plan]).to(device))
-    streams = _kept(("plan streams", plan, device), lambda: torch.cat(
+    streams = _kept(lambda: ("plan streams", plan, device), lambda: torch.cat(
         [torch.full((count,), s, dtype=torch.int64) for s, count in plan]).to(device))
     return index, streams

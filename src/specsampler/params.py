@@ -37,13 +37,19 @@ _FIELDS = {
 # NaN; at it the weights are 1 at the row's largest logit and 0 elsewhere, the limit of T -> 0+
 MIN_TEMPERATURE = 2.0**-126
 _INT64 = (-(2**63), 2**63 - 1)
+_FLOAT32_MAX = float.fromhex("0x1.fffffep127")
 
 
 def _float32(v: float) -> float:
-    """``v`` rounded to float32 (inf past its range), as ``torch.tensor(float(v))`` holds it (a tensor per check
-    cost ~40 us a SamplingParams)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(v))
+    """``v`` rounded to float32 (to nearest, ties to even; inf past its range), as ``torch.tensor(float(v))`` holds
+    it, in Python's float arithmetic: a tensor per check cost ~40 us a SamplingParams, and NumPy's ``errstate`` does
+    not trace under torch.compile."""
+    if not math.isfinite(v) or v == 0:
+        return v
+    # float32's step at v: 24 significant bits, none below 2**-149 (its subnormals); v / step is exact (a power of two)
+    step = math.ldexp(1.0, max(math.frexp(v)[1], -125) - 24)
+    r = math.copysign(round(v / step) * step, v)  # round(): ties to even
+    return r if abs(r) <= _FLOAT32_MAX else math.copysign(math.inf, v)
 
 
 def check_field(op: str, label: str, name: str, v):

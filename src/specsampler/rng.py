@@ -155,9 +155,10 @@ def philox_uniform(seed: Tensor, offset: Tensor, index: Tensor, stream: int | Te
         index: int64 ``[B, n]``: the draw index of each uniform within its request.
         stream: ``STREAM_SAMPLE`` or ``STREAM_ACCEPT``, or int64 ``[n]``: each column's.
     Returns:
-        float32 ``[B, n]`` (on the CPU computed with numpy, elsewhere with torch ops: the same numbers).
+        float32 ``[B, n]`` (on the CPU computed with numpy, elsewhere and while torch.compile traces with torch
+        ops: the same numbers).
     """
-    if index.device.type != "cpu":
+    if index.device.type != "cpu" or torch.compiler.is_compiling():  # NumPy's uint64 words do not trace
         return _uniform_torch(seed, offset, index, stream)
     return (_uniform_python if index.numel() <= _FEW_UNIFORMS else _uniform_numpy)(seed, offset, index, stream)
 

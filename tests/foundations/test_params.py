@@ -46,3 +46,25 @@ def test_numpy_scalars_are_numbers_and_a_value_float32_cannot_hold_says_so():
         ss.SamplingParams(top_p=1e-46)
     with pytest.raises(ss.ValidationError, match=r"temperature: expected a finite value >= 0, got inf"):
         ss.SamplingParams(temperature=10**400)  # past float64 too (it raised OverflowError)
+
+
+def test_host_numbers_round_to_float32_as_numpy_does_without_it():
+    """``_float32`` (the check of a scalar parameter as every row holds it) in Python's arithmetic: ties to even,
+    subnormals, the edge of float32's range and past it, signs of zero."""
+    import math
+
+    import numpy as np
+
+    from specsampler.params import _float32
+
+    g = np.random.default_rng(1)
+    values = list(g.standard_normal(20000) * 10.0 ** g.integers(-50, 50, 20000))
+    values += [3.4028235677973366e38, 3.4028235e38, 3.4028236692093846e38, 3.4028236692093847e38, 1e39, 7e-46,
+               7.006492321624085e-46, 7.006492321624087e-46, 2.0**-149, 2.0**-150, 1.5 * 2.0**-149, 2.5 * 2.0**-149,
+               2.0**-126, 5e-324, 1e308, 0.0, 0.1, math.inf, math.nan]
+    values += [(2**24 + 2 * m + 1) * 2.0 ** (e - 25) for e in range(-130, 128, 7) for m in range(4)]  # exact ties
+    with np.errstate(over="ignore"):
+        for v in values + [-v for v in values]:
+            got, want = _float32(float(v)), float(np.float32(v))
+            assert (got == want or math.isnan(got) and math.isnan(want)) and math.copysign(1, got) == math.copysign(
+                1, want), v

@@ -319,3 +319,21 @@ def test_given_uniforms_are_used_as_given(backend, monkeypatch):
         ss.verify_chain(p, x, q, method="token", rng=ss.Uniforms(sample=given.sample))
     with pytest.raises(ValueError, match=r"Uniforms.sample: expected shape \[B = 5, >= 4\], got shape \[5, 2\]"):
         ss.verify_chain(p, x, q, method="token", rng=ss.Uniforms(sample=given.sample[:, :2], accept=given.accept))
+
+
+def test_a_philox_under_torch_compile_draws_the_eager_numbers_on_the_pytorch_path(monkeypatch):
+    """On CPU a Philox's words are NumPy uint64s, which dynamo cannot trace (no uint64 shift: a hard error under a
+    default torch.compile, not a graph break); while it traces, the torch ops give the same numbers."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
+    torch._dynamo.reset()
+    B, K, V = 3, 4, 40
+    g = torch.Generator().manual_seed(8)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    x = torch.randint(0, V, (B, K), generator=g)
+
+    def step(seed, offset):
+        return ss.verify_chain(p, x, q, method="token", rng=ss.Philox(seed, offset)).tokens
+
+    args = (torch.arange(B) + 7, torch.full((B,), 2**40 + 3))
+    assert torch.equal(torch.compile(step, backend="eager")(*args), step(*args))

@@ -133,6 +133,47 @@ def test_the_kernel_ops_trace_whole_under_torch_compile_fullgraph(monkeypatch, n
         assert torch.equal(got, want), f"{name}: compiled and eager differ"
 
 
+def test_the_kernel_ops_trace_whole_when_a_size_changes_between_calls_and_with_dynamic_shapes(monkeypatch):
+    """A chain length that changes between calls (dynamo then makes K symbolic) and ``dynamic=True``: the kept
+    constants' keys were formed of the symbolic sizes, whose ``repr`` does not trace (``Unsupported``)."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    g = torch.Generator().manual_seed(5)
+
+    def step(p, x, q, seed, offset):
+        return ss.verify_chain(p, x, q, method="token", rng=ss.Philox(seed, offset)).tokens
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+        for B, K in ((2, 2), (2, 3), (3, 4)):
+            p = torch.softmax(torch.randn(B, K + 1, 32, generator=g), -1)
+            q = torch.softmax(torch.randn(B, K, 32, generator=g), -1)
+            args = to_device((p, torch.randint(0, 32, (B, K), generator=g), q, torch.arange(B), torch.full((B,), 4)))
+            assert torch.equal(compiled(*args), step(*args)), (dynamic, B, K)
+
+
+def test_a_target_only_tree_and_parameters_made_inside_trace_whole(monkeypatch):
+    """A target-only tree reads a lazily derived tensor after its kernel (``functools.cached_property`` takes a lock
+    before Python 3.12, which dynamo refused), and parameters of host numbers made inside the compiled function
+    round to float32 without NumPy's ``errstate`` (which does not trace)."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "triton")
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    B, V = 2, 32
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0, 1]] * B)).to(DEVICE)
+    p, logits = to_device((torch.softmax(torch.randn(B, 4, V, generator=g), -1), torch.randn(B, V, generator=g)))
+    x = torch.randint(0, V, (B, 4), generator=g).to(DEVICE)
+
+    def step(seed, offset):
+        rng = ss.Philox(seed, offset)
+        return (ss.verify_tree(p, x, tree, method="target_only", rng=rng).tokens,
+                ss.sample_from_logits(logits, ss.SamplingParams(temperature=0.7, top_p=0.9), rng).tokens)
+
+    args = to_device((torch.arange(B), torch.full((B,), 4)))
+    for got, want in zip(torch.compile(step, fullgraph=True, backend="aot_eager")(*args), step(*args), strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name", KERNEL_OPS)
 def test_the_kernel_ops_pass_torch_library_opcheck(monkeypatch, name):
     """``torch.library.opcheck`` on the arguments the public function passes to the op: no input is modified

@@ -1210,3 +1210,12 @@ def test_exponentials_over_grid_length_buffers_round_as_on_one_thread(threads, n
         m = grid_length(n)
         assert m % 64 == 0 and n <= m < n + 64 * t
         assert torch.equal(torch.exp2(torch.nn.functional.pad(x, (0, m - n)))[:n], want), t
+
+
+def test_filters_of_host_numbers_under_torch_compile_with_dynamic_shapes_give_the_eager_rows(monkeypatch):
+    """A symbolic vocabulary size made the rows' kinds SymBools, whose ``^`` with a bool raised ``TypeError``."""
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
+    torch._dynamo.reset()
+    probs = torch.softmax(torch.randn(2, 32, generator=torch.Generator().manual_seed(0)), -1)
+    f = lambda p: ss.top_k_renorm(p, 5)  # noqa: E731
+    assert torch.equal(torch.compile(f, dynamic=True, backend="eager")(probs), f(probs))

@@ -14,13 +14,13 @@ from __future__ import annotations
 import zlib
 from collections.abc import Generator
 from dataclasses import dataclass, fields
-from functools import cached_property
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..lazy import cached_property
 from ..params import SamplingParams
 from ..rng import Philox
 from ..validation import fail

@@ -64,8 +64,15 @@ def _kinds(temperature, top_k, top_p, V: int, logits: bool) -> tuple:
     or on the host numbers that every row shares (bools) alike."""
     greedy = (temperature == 0) & logits
     bounded = greedy | ((top_k > 0) & (top_k < V))
-    nucleus = (top_p < 1) & (bounded ^ True)  # ^ True: "not", for tensors and bools alike
-    return greedy, bounded, nucleus, (bounded | nucleus) ^ True
+    if not isinstance(bounded, Tensor):  # host numbers: a bool (a SymBool where torch.compile made V symbolic)
+        bounded = bool(bounded)
+    nucleus = (top_p < 1) & _negated(bounded)
+    return greedy, bounded, nucleus, _negated(bounded | nucleus)
+
+
+def _negated(kind):
+    """"Not" of a bool tensor or a bool."""
+    return ~kind if isinstance(kind, Tensor) else not kind
 
 
 def _rows_of(kind, R: int) -> tuple[bool, Tensor | None]:

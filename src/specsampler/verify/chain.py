@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 from torch import Tensor
 
 from .. import constants
 from ..kernels import use_triton
+from ..lazy import cached_property
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, planned
 from ..sampling.greedy import greedy_ids

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from functools import cached_property
-
 from torch import Tensor
 
+from ..lazy import cached_property
 from ..sampling.vocab import Vocab
 
 

@@ -9,13 +9,13 @@ kernel: :mod:`specsampler.kernels.tree`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ..lazy import cached_property
 from ..params import RowParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, planned
 from ..sampling.filters import masked_logits
@@ -46,7 +46,7 @@ class TreeInputs(Drafts):
     given_usable: Tensor | None = field(default=None, repr=False)
     given_nonnegative: Tensor | None = field(default=None, repr=False)
 
-    @functools.cached_property
+    @cached_property
     def nonnegative(self) -> Tensor:
         """bool ``[B, N]``: the draft rows holding no value below 0 and no NaN."""
         return self.given_nonnegative if self.given_nonnegative is not None else nonnegative_rows(self.q)
@@ -84,7 +84,7 @@ class TargetRows:
                  mask: Tensor | None = None):
         self.probs, self.logits, self.rp, self.mask = probs, logits, rp, mask
 
-    @functools.cached_property
+    @cached_property
     def few(self) -> int:
         """The most candidates a row is processed into, where every row keeps at most :data:`_FEW` (top-k or
         greedy rows from logits, in a vocabulary at least 8 times wider); else 0."""
@@ -135,7 +135,7 @@ class _RequestRows(TargetRows):
         super().__init__(rows.probs, rows.logits, rows.rp, rows.mask)
         self.requests = requests
 
-    @functools.cached_property
+    @cached_property
     def few(self) -> int:
         N, V = self.logits.shape[1:]
         flat = (self.requests[:, None] * N + torch.arange(N, device=self.requests.device)).view(-1)
