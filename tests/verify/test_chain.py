@@ -362,3 +362,28 @@ def test_full_validation_of_chain_values():
     logits[0, 2, 1] = float("nan")
     with pytest.raises(ValueError, match=r"target_logits: expected logits without NaN.*request 0"):
         ss.verify_chain_from_logits(logits, x.clamp(max=3), validate="full")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_greedy_chains_draw_no_randomness_as_greedy_trees(monkeypatch, backend):
+    """A greedy chain drew K+1 uniforms it never read: it advanced a caller's (or torch's global) generator, and
+    ``Uniforms()`` without a sample stream was refused; a greedy tree draws none. A Philox of another batch is
+    still named."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("SPECSAMPLER_BACKEND", backend)
+    B, K, V = 2, 3, 6
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    x = logits[:, :K].argmax(-1)
+    want = ss.verify_chain_from_logits(logits, x, method="greedy", rng=ss.Philox(torch.arange(B))).tokens
+    calls = (lambda rng: ss.verify_chain(logits.softmax(-1), x, method="greedy", rng=rng),
+             lambda rng: ss.verify_chain_from_logits(logits, x, method="greedy", rng=rng))
+    for call in calls:
+        gen, global_state = torch.Generator().manual_seed(9), torch.get_rng_state()
+        state = gen.get_state()
+        for rng in (gen, None, ss.Uniforms()):
+            assert torch.equal(call(rng).tokens, want)
+        assert torch.equal(gen.get_state(), state) and torch.equal(torch.get_rng_state(), global_state)
+        with pytest.raises(ValueError, match="Philox"):
+            call(ss.Philox(torch.arange(B + 1)))

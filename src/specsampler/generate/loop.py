@@ -324,11 +324,12 @@ def _branching(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> tupl
 
 
 def _verify_plan(method: str, count: int) -> tuple[tuple[int, int], ...]:
-    """The uniforms a verification draws, in its order (greedy chains draw and ignore a sample stream)."""
+    """The uniforms a verification draws, in its order (greedy: none)."""
     return {"token": ((STREAM_SAMPLE, count), (STREAM_ACCEPT, count)),
             "block": ((STREAM_SAMPLE, count), (STREAM_ACCEPT, count)),
             "rrs": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count)),
-            "traversal": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count))}.get(method, ((STREAM_SAMPLE, count),))
+            "traversal": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count)),
+            "greedy": ()}.get(method, ((STREAM_SAMPLE, count),))
 
 
 @torch.inference_mode()

@@ -245,12 +245,14 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     """Run method ``c.method`` on the target distributions (rows ``b * (K+1) + i``). ``draw(stream,
     count)``: the uniforms ``[B, count]`` of a stream (default: drawn from ``rng``)."""
     B, K, dev = c.B, c.K, c.x.device
+    if c.method == "greedy":  # draws nothing (as a greedy tree); a Philox of another batch is still a mistake
+        if draw is None and isinstance(rng, Philox):
+            rng.keys(op, B, dev)
+        return verify_greedy(c, greedy_draws)
     batch = torch.arange(B, device=dev)
     draws = ((STREAM_SAMPLE, K + 1), (STREAM_ACCEPT, K + 1)) if c.method in ("token", "block") else ()
     draw = draw or planned(rng, op, B, draws, dev)
     u_draw = draw(STREAM_SAMPLE, K + 1)
-    if c.method == "greedy":
-        return verify_greedy(c, greedy_draws)
     p_x = _p_x(c, target)
     if c.method == "target_only":
         draws = target.sample(u_draw.view(-1)).view(B, K + 1)
@@ -289,13 +291,16 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     return _result(c, tau, y, lambda: _block_expected(h))
 
 
+_STREAMS = {"token": (STREAM_SAMPLE, STREAM_ACCEPT), "block": (STREAM_SAMPLE, STREAM_ACCEPT),
+            "target_only": (STREAM_SAMPLE,), "greedy": ()}  # the uniforms each method draws, in its order
+
+
 def _verify_kernel(c: ChainInputs, target_probs: Tensor, rng, op: str) -> ChainResult:
     """:func:`verify_chain` by its Triton kernel (the same draws as :func:`_verify`)."""
     from ..kernels import ops
 
-    streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
-    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x_raw.device)
-    u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, _STREAMS[c.method], c.x_raw.device)
+    u_sample, u_accept = (u + [None, None])[:2]
     tokens, n = ops.verify_chain(target_probs, c.x_raw, c.q, c.num_drafts, c.method, seed, offset, u_accept, u_sample)
 
     def expected() -> Tensor:
@@ -311,9 +316,8 @@ def _verify_from_logits_kernel(c: ChainInputs, logits: Tensor, params, vocab_mas
     from ..kernels import ops
 
     rp, mask, _, _ = logit_inputs(op, logits, params, vocab_mask, full, _live(c, full))
-    streams = (STREAM_SAMPLE, STREAM_ACCEPT) if c.method in ("token", "block") else (STREAM_SAMPLE,)
-    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, streams, c.x_raw.device)
-    u_sample, u_accept = u[0], u[1] if len(u) > 1 else None
+    seed, offset, u = kernel_randomness(rng, op, c.B, c.K + 1, _STREAMS[c.method], c.x_raw.device)
+    u_sample, u_accept = (u + [None, None])[:2]
     tokens, n = ops.verify_chain_from_logits(logits, c.x_raw, c.q, c.num_drafts, c.method, rp.temperature, rp.top_k,
                                              rp.top_p, rp.min_p, mask, seed, offset, u_accept, u_sample)
 
