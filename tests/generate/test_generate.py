@@ -319,6 +319,48 @@ def test_deterministic_tree_wider_than_the_vocabulary_leaves_the_missing_childre
             assert out.lengths.tolist() == [8, 8] and int(out.tokens.min()) >= 0 and int(out.tokens.max()) < V
 
 
+def test_a_sliding_window_target_is_named_past_its_window_not_silently_attended_in_full(pair):
+    # the loop's custom mask replaced the model's window: past it, tokens other than the model's own greedy ones
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, sliding_window=12, bos_token_id=None, eos_token_id=None,
+                        pad_token_id=None)
+    windowed = MistralForCausalLM(cfg).double().eval()
+    prompt = torch.tensor([5, 17, 3, 30, 11])
+    # positions 0 .. 5 + 8 - 2 give logits that count: 12, the window (drafts past them are fed at the last)
+    out = speculative_generate(windowed, windowed, prompt, 8, GREEDY, num_draft_tokens=3)
+    assert out.tokens.tolist() == hf_greedy(windowed, prompt, 8)
+    past = [("target", lambda: speculative_generate(windowed, windowed, prompt, 9, GREEDY)),
+            ("target", lambda: speculative_generate(windowed, None, prompt, 9, GREEDY, drafter="ngram")),
+            ("model", lambda: generate(windowed, prompt, 9, GREEDY))]
+    for name, run in past:
+        with pytest.raises(ValueError, match=f": {name}: expected full attention over the 13 positions"):
+            run()
+    # a draft's window only changes what it proposes
+    target, _ = pair
+    out = speculative_generate(target, windowed, prompt, 12, GREEDY, num_draft_tokens=3)
+    assert out.tokens.tolist() == hf_greedy(target, prompt, 12)
+
+
+def test_drafts_past_max_new_tokens_stay_inside_the_position_table():
+    # a step's drafts past max_new_tokens (and the tokens of requests ended by EOS that a batch still feeds) ran
+    # past GPT-2's learned positions: an IndexError where the target's own generate fits
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=48, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=None,
+                     eos_token_id=None, pad_token_id=None)
+    target = GPT2LMHeadModel(cfg).double().eval()
+    prompt = torch.tensor([5, 17, 3, 30, 11])
+    expected = hf_greedy(target, prompt, 12)  # feeds positions up to 15
+    for drafter in ("chain", "tree", "ngram"):
+        out = speculative_generate(target, None if drafter == "ngram" else target, prompt, 12, GREEDY,
+                                   drafter=drafter, num_draft_tokens=4)
+        assert out.tokens.tolist() == expected, drafter
+
+
 def test_wrong_length_params_are_named_by_their_argument(pair):
     # both said "SamplingParams.top_k: expected shape [B]", not which argument was at fault
     target, draft = pair

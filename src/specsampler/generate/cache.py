@@ -23,6 +23,29 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def attention_window(model) -> int | None:
+    """The fewest positions back that a layer of ``model`` attends to, as its transformers config declares a
+    sliding window (``sliding_window``, on the layers ``layer_types`` names sliding) or chunked attention
+    (``attention_chunk_size``); None where every layer attends to the whole context.
+
+    The custom 4-D mask of :class:`ModelCache` replaces the model's own, windowed layers' included: such a
+    model gives its own logits only while every position it is queried at fits in the window.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    sliding, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2-style configs keep an unused window
+        sliding = None
+    types = getattr(config, "layer_types", None)
+    if types is not None:  # per layer: a window counts only where some layer uses it
+        sliding = sliding if any("sliding" in t for t in types) else None
+        chunk = chunk if any("chunked" in t for t in types) else None
+    return min((w for w in (sliding, chunk) if isinstance(w, int) and w > 0), default=None)
+
+
 def _layers(cache) -> list[Tensor]:
     """The key and value tensors ``[B, H, S, D]`` of a ``DynamicCache``'s filled layers."""
     if hasattr(cache, "layers"):
@@ -36,10 +59,13 @@ class ModelCache:
     """A model, its ``DynamicCache`` over the batch, and the bias of each cache slot.
 
     ``bias``: ``[B, S]`` in the model's dtype: 0 for a slot holding a committed token of the
-    request, the dtype's minimum for the others (left padding, drafts not kept).
+    request, the dtype's minimum for the others (left padding, drafts not kept). ``last``: None, or int64
+    ``[B]``, each request's last position whose logits can matter; tokens past it (drafts beyond
+    ``max_new_tokens``, the tokens of requests that ended) are fed at it, so that they never outrun the model's
+    position table (``n_positions``) or window.
     """
 
-    def __init__(self, model, batch: int, device: torch.device):
+    def __init__(self, model, batch: int, device: torch.device, last: Tensor | None = None):
         from transformers import DynamicCache
 
         self.model = model
@@ -49,6 +75,7 @@ class ModelCache:
         self.bias = torch.zeros(batch, 0, dtype=self.dtype, device=device)
         self._seen, self._unseen = (torch.tensor(v, dtype=self.dtype, device=device) for v in (0.0, self.hidden))
         self.calls = 0
+        self.last = None if last is None else last[:, None]
         self._cache_kw = cache_argument(model)
 
     @property
@@ -73,6 +100,8 @@ class ModelCache:
         prefix = self.slots if prefix is None else prefix
         own = (own[:, None] if own.dim() == 3 else own).expand(B, 1, n, own.shape[-1])
         mask = torch.cat([self.bias[:, None, None, :prefix].expand(B, 1, n, prefix), own], 3)
+        if self.last is not None:  # such a token's logits and KV entries reach no output token
+            positions = torch.minimum(positions, self.last)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self._cache_kw: self.cache})
         self.calls += 1

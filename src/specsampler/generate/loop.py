@@ -24,7 +24,7 @@ from ..sampling.ops import sample_from_logits
 from ..validation import as_integer, check_no_bad, check_tensor, fail
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _verify_tree_prepared
-from .cache import ModelCache
+from .cache import ModelCache, attention_window
 from .drafters import ModelDrafter, NgramDrafter, RowsOf, draft_plan
 from .draws import Call, Streams
 from .layout import tree_layout
@@ -109,6 +109,20 @@ def _check_prompt(op: str, input_ids, attention_mask, model) -> tuple[Tensor, Te
         check_no_bad(op, "input_ids", (ids < 0) | (ids >= V), ids,
                      f"token ids in [0, {V}) (the model's vocabulary) where attention_mask is 1")
     return ids, real
+
+
+def _check_window(op: str, name: str, model, real: Tensor, max_new: int) -> None:
+    """``model`` attends to every position whose logits count: positions 0 to the longest prompt + ``max_new`` - 2
+    fit in a sliding-window or chunked layer's window, which the loop's custom mask does not apply (the logits
+    would silently differ from the model's own). Tokens past them are fed at the last (:class:`ModelCache`)."""
+    window = attention_window(model)
+    if window is None or not max_new:
+        return
+    reach = int(real.sum(1).max()) + max_new - 1
+    if reach > window:
+        fail(op, name, f"full attention over the {reach} positions whose logits count (longest prompt + max_new_tokens "
+             "- 1; sliding-window and chunked layers are not supported past their window)",
+             f"a model attending to the last {window} positions")
 
 
 def _check_rng(op: str, rng) -> None:
@@ -248,6 +262,7 @@ def generate(
     ids, real = ids.to(dev), real.to(dev)
     B = ids.shape[0]
     params = _check_params(op, "params", params, B, dev)
+    _check_window(op, "model", model, real, max_new_tokens)
     out = _Output(B, max_new_tokens, _eos_ids(op, eos_token_id))
     stats = GenerationStats(request_target_calls=[0] * B)
     streams = Streams(rng, B, dev, op, horizon=max_new_tokens)
@@ -405,6 +420,8 @@ def speculative_generate(
     params = _check_params(OP, "params", params, B, dev)
     draft_params = params if draft_params is None else _check_params(OP, "draft_params", draft_params, B, dev)
     eos = _eos_ids(OP, eos_token_id)
+    # the target only: a draft's window changes its proposals, never the output's distribution
+    _check_window(OP, "target", target, real, max_new_tokens)
     if drafter == "ngram":
         num_draft_tokens = _check_count(OP, "num_draft_tokens", num_draft_tokens, 1)
         prompt_lookup_min = _check_count(OP, "prompt_lookup_min", prompt_lookup_min, 1)
@@ -430,8 +447,10 @@ class _Run:
         self.stats = GenerationStats(request_target_calls=[0] * self.B)
         self.streams = Streams(rng, self.B, self.dev, OP, horizon=max_new)
         self.rows = RowsOf(params, self.B, self.dev, OP)
-        self.target = ModelCache(target, self.B, self.dev)
         self.pos_root = real.long().sum(1)  # the root's position: tokens before it
+        # the last position whose logits count: the one that draws the max_new-th token
+        self.last = self.pos_root + max_new - 2
+        self.target = ModelCache(target, self.B, self.dev, self.last)
         self.kernels = use_triton(self.dev)
 
     def rng_of(self, call: Call):
@@ -462,7 +481,7 @@ class _Run:
         layout = tree_layout(branching)
         D, N = layout.depth, layout.size
         self.stats.draft_depth = D
-        state = ModelCache(draft, B, dev)
+        state = ModelCache(draft, B, dev, self.last)
         sampled = method not in ("target_only", "greedy")
         drafter = ModelDrafter(state, layout, RowsOf(draft_params, B, dev, OP), how, keep_q=sampled)
         plan = (*draft_plan(layout, how), _verify_plan(method, N))
