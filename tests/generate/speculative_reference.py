@@ -27,8 +27,11 @@ class Streams:
 
 
 class Model:
-    def __init__(self, model, batch):
-        self.model, self.cache, self.calls = model, DynamicCache(), 0
+    """A model and its cache; ``last`` (int64 ``[B]``): positions past it are fed at it (their logits reach no output
+    token; a learned position table ends at the model's limit)."""
+
+    def __init__(self, model, batch, last):
+        self.model, self.cache, self.calls, self.last = model, DynamicCache(), 0, last[:, None]
         self.committed = torch.zeros(batch, 0, dtype=torch.bool)
         self.kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
@@ -40,8 +43,8 @@ class Model:
         B, n = tokens.shape
         dtype = self.model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[:, None]
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self.kw: self.cache})
+        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=torch.minimum(positions, self.last),
+                         use_cache=True, **{self.kw: self.cache})
         self.calls += 1
         new = committed if committed is not None else torch.zeros(B, n, dtype=torch.bool)
         self.committed = torch.cat([self.committed, new], 1)
@@ -145,9 +148,10 @@ def generate(target, draft, ids, max_new, params, *, drafter="chain", num_draft_
     B = ids.shape[0]
     real = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     streams = Streams(rng)
-    tm = Model(target, B)
-    out = [[] for _ in range(B)]
     pos_root = real.long().sum(1)
+    last = pos_root + max_new - 2  # the position whose logits draw the max_new-th token
+    tm = Model(target, B, last)
+    out = [[] for _ in range(B)]
     root = ss.sample_from_logits(prefill(tm, ids, real), params, streams.next()).tokens
     for b in range(B):
         out[b].append(int(root[b]))
@@ -180,7 +184,7 @@ def generate(target, draft, ids, max_new, params, *, drafter="chain", num_draft_
         method = "target_only" if how == "deterministic" else "token" if drafter == "chain" else "rrs"
     branching = (1,) * num_draft_tokens if drafter == "chain" else tuple(tree_shape)
     D = len(branching)
-    dm = Model(draft, B)
+    dm = Model(draft, B, last)
     prefill(dm, ids, real)
     pending = torch.stack([torch.zeros_like(root), root], 1)
     pending_on = torch.tensor([[False, True]] * B)
