@@ -1213,9 +1213,15 @@ def test_exponentials_over_grid_length_buffers_round_as_on_one_thread(threads, n
 
 
 def test_filters_of_host_numbers_under_torch_compile_with_dynamic_shapes_give_the_eager_rows(monkeypatch):
-    """A symbolic vocabulary size made the rows' kinds SymBools, whose ``^`` with a bool raised ``TypeError``."""
+    """A symbolic vocabulary size made the rows' kinds SymBools, whose ``^`` with a bool raised ``TypeError``; and
+    dynamo warned of the exponentials' cached grid length on every trace."""
+    import warnings
+
     monkeypatch.setenv("SPECSAMPLER_BACKEND", "torch")
     torch._dynamo.reset()
     probs = torch.softmax(torch.randn(2, 32, generator=torch.Generator().manual_seed(0)), -1)
     f = lambda p: ss.top_k_renorm(p, 5)  # noqa: E731
-    assert torch.equal(torch.compile(f, dynamic=True, backend="eager")(probs), f(probs))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert torch.equal(torch.compile(f, dynamic=True, backend="eager")(probs), f(probs))
+    assert not [w for w in seen if "lru_cache" in str(w.message)]

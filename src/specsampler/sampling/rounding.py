@@ -78,7 +78,9 @@ def grid_length(n: int) -> int:
     thread's share is a multiple of 64 too. Without it, from 3 threads up a share may end inside an iteration, and
     the values there (which depend on the batch's size) round as the scalar loop does: with 7 threads, 3 rows of a
     batch of 9 plain rows of 32000 came out otherwise than alone (tests/sampling, thread counts)."""
-    return _grid_length(n, torch.get_num_threads())
+    # while torch.compile traces, the function itself (dynamo warns on every trace of an lru_cache, then ignores it)
+    grid = _grid_length.__wrapped__ if torch.compiler.is_compiling() else _grid_length
+    return grid(n, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=4096)
