@@ -1,5 +1,6 @@
 """End-to-end speculative generation with tiny random transformers models (no downloads)."""
 
+import importlib
 import itertools
 
 import numpy as np
@@ -319,29 +320,49 @@ def test_deterministic_tree_wider_than_the_vocabulary_leaves_the_missing_childre
             assert out.lengths.tolist() == [8, 8] and int(out.tokens.min()) >= 0 and int(out.tokens.max()) < V
 
 
-def test_a_sliding_window_target_is_named_past_its_window_not_silently_attended_in_full(pair):
-    # the loop's custom mask replaced the model's window: past it, tokens other than the model's own greedy ones
-    from transformers import MistralConfig, MistralForCausalLM
-
+def _sliding(config_class, **window):
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=1, sliding_window=12, bos_token_id=None, eos_token_id=None,
-                        pad_token_id=None)
-    windowed = MistralForCausalLM(cfg).double().eval()
+    cfg = config_class(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None, **window)
+    model = importlib.import_module("transformers").AutoModelForCausalLM.from_config(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # sharp rows: a text that does not repeat one token
+    return model
+
+
+def test_a_sliding_window_target_gives_its_own_greedy_tokens_past_its_window(pair):
+    """The loop's custom mask replaced the model's window: past it, other tokens than the model's own (silently).
+    Every layer sliding: the mask applies the window by position, as the model's own does."""
+    from transformers import MistralConfig
+
+    windowed = _sliding(MistralConfig, sliding_window=6)
+    prompt = torch.tensor([5, 17, 3, 30, 11])
+    expected = hf_greedy(windowed, prompt, 16)
+    assert generate(windowed, prompt, 16, GREEDY).tokens.tolist() == expected
+    for drafter, shape in (("chain", None), ("tree", [2, 2, 1]), ("ngram", None)):
+        out = speculative_generate(windowed, None if drafter == "ngram" else windowed, prompt, 16, GREEDY,
+                                   drafter=drafter, tree_shape=shape, num_draft_tokens=3)
+        assert out.tokens.tolist() == expected, drafter
+    target, _ = pair  # a windowed draft proposes within its window; the target decides
+    assert speculative_generate(target, windowed, prompt, 12, GREEDY).tokens.tolist() == hf_greedy(target, prompt, 12)
+
+
+def test_a_target_sliding_beside_full_layers_is_named_past_its_window():
+    """One mask cannot slide for some layers and not others: within the window the model's own tokens, past it a
+    ``ValueError`` naming the target (the model's own tokens, silently, before)."""
+    from transformers import Qwen2Config
+
+    mixed = _sliding(Qwen2Config, use_sliding_window=True, sliding_window=12, max_window_layers=1)
     prompt = torch.tensor([5, 17, 3, 30, 11])
     # positions 0 .. 5 + 8 - 2 give logits that count: 12, the window (drafts past them are fed at the last)
-    out = speculative_generate(windowed, windowed, prompt, 8, GREEDY, num_draft_tokens=3)
-    assert out.tokens.tolist() == hf_greedy(windowed, prompt, 8)
-    past = [("target", lambda: speculative_generate(windowed, windowed, prompt, 9, GREEDY)),
-            ("target", lambda: speculative_generate(windowed, None, prompt, 9, GREEDY, drafter="ngram")),
-            ("model", lambda: generate(windowed, prompt, 9, GREEDY))]
+    out = speculative_generate(mixed, mixed, prompt, 8, GREEDY, num_draft_tokens=3)
+    assert out.tokens.tolist() == hf_greedy(mixed, prompt, 8)
+    past = [("target", lambda: speculative_generate(mixed, mixed, prompt, 9, GREEDY)),
+            ("target", lambda: speculative_generate(mixed, None, prompt, 9, GREEDY, drafter="ngram")),
+            ("model", lambda: generate(mixed, prompt, 9, GREEDY))]
     for name, run in past:
-        with pytest.raises(ValueError, match=f": {name}: expected full attention over the 13 positions"):
+        with pytest.raises(ValueError, match=f": {name}: expected attention over the 13 positions"):
             run()
-    # a draft's window only changes what it proposes
-    target, _ = pair
-    out = speculative_generate(target, windowed, prompt, 12, GREEDY, num_draft_tokens=3)
-    assert out.tokens.tolist() == hf_greedy(target, prompt, 12)
 
 
 def test_drafts_past_max_new_tokens_stay_inside_the_position_table():

@@ -23,27 +23,34 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def attention_window(model) -> int | None:
-    """The fewest positions back that a layer of ``model`` attends to, as its transformers config declares a
-    sliding window (``sliding_window``, on the layers ``layer_types`` names sliding) or chunked attention
-    (``attention_chunk_size``); None where every layer attends to the whole context.
+def attention_windows(model) -> tuple[int | None, int | None]:
+    """``model``'s attention windows, as its transformers config declares them: ``(sliding, other)``.
 
-    The custom 4-D mask of :class:`ModelCache` replaces the model's own, windowed layers' included: such a
-    model gives its own logits only while every position it is queried at fits in the window.
+    sliding: the window every layer slides (``sliding_window``, with no ``layer_types`` or all of them sliding),
+    which :class:`ModelCache`'s mask applies by position as the model's own would (a query sees the keys fewer than
+    ``sliding`` positions back); other: the fewest positions back that some layer attends to where one mask cannot
+    say it (sliding layers beside full ones, ``attention_chunk_size``): the loop's custom 4-D mask replaces the
+    model's, so such a model gives its own logits only while every position it is queried at fits in that window.
+    None: no such window.
     """
     config = getattr(model, "config", None)
     if config is None:
-        return None
+        return None, None
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
     sliding, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+    sliding = sliding if isinstance(sliding, int) and sliding > 0 else None
+    chunk = chunk if isinstance(chunk, int) and chunk > 0 else None
     if getattr(config, "use_sliding_window", True) is False:  # Qwen2-style configs keep an unused window
         sliding = None
     types = getattr(config, "layer_types", None)
     if types is not None:  # per layer: a window counts only where some layer uses it
-        sliding = sliding if any("sliding" in t for t in types) else None
         chunk = chunk if any("chunked" in t for t in types) else None
-    return min((w for w in (sliding, chunk) if isinstance(w, int) and w > 0), default=None)
+        if not any("sliding" in t for t in types):
+            sliding = None
+        elif not all("sliding" in t for t in types):  # mixed: a mask for all layers cannot hold both
+            return None, min((w for w in (sliding, chunk) if w is not None), default=None)
+    return sliding, chunk
 
 
 def _layers(cache) -> list[Tensor]:
@@ -62,7 +69,9 @@ class ModelCache:
     request, the dtype's minimum for the others (left padding, drafts not kept). ``last``: None, or int64
     ``[B]``, each request's last position whose logits can matter; tokens past it (drafts beyond
     ``max_new_tokens``, the tokens of requests that ended) are fed at it, so that they never outrun the model's
-    position table (``n_positions``) or window.
+    position table (``n_positions``) or window. ``window``: the sliding window of every layer
+    (:func:`attention_windows`), applied by position in each call's mask; ``pos`` int64 ``[B, S]`` then holds each
+    slot's position.
     """
 
     def __init__(self, model, batch: int, device: torch.device, last: Tensor | None = None):
@@ -76,6 +85,8 @@ class ModelCache:
         self._seen, self._unseen = (torch.tensor(v, dtype=self.dtype, device=device) for v in (0.0, self.hidden))
         self.calls = 0
         self.last = None if last is None else last[:, None]
+        self.window = attention_windows(model)[0]
+        self.pos = None if self.window is None else torch.zeros(batch, 0, dtype=torch.int64, device=device)
         self._cache_kw = cache_argument(model)
 
     @property
@@ -102,6 +113,10 @@ class ModelCache:
         mask = torch.cat([self.bias[:, None, None, :prefix].expand(B, 1, n, prefix), own], 3)
         if self.last is not None:  # such a token's logits and KV entries reach no output token
             positions = torch.minimum(positions, self.last)
+        if self.window is not None:  # the model's own window, which the custom mask replaces: keys this far back
+            self.pos = torch.cat([self.pos, positions], 1)
+            far = positions[:, :, None] - self.pos[:, None, :] >= self.window
+            mask = mask.masked_fill(far[:, None], self.hidden)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self._cache_kw: self.cache})
         self.calls += 1
@@ -127,7 +142,8 @@ class ModelCache:
         dev = num.device
         if path is not None:  # the kept entries move to the front of the tree's slots
             j = torch.arange(width, device=dev)
-            src = (start + torch.where(j <= num[:, None], path[:, :width], j))[:, None, :, None]
+            slots = start + torch.where(j <= num[:, None], path[:, :width], j)
+            src = slots[:, None, :, None]
             index = {}  # the index expanded once per layer shape (the layers of a model share one)
             for t in _layers(self.cache):
                 B, H, _, D = t.shape
@@ -135,6 +151,9 @@ class ModelCache:
                 if at is None:
                     at = index[H, D] = src.expand(B, H, width, D)
                 t[:, :, start: start + width] = t.gather(2, at)
+        if self.pos is not None:
+            kept_pos = self.pos[:, start: start + width] if path is None else self.pos.gather(1, slots)
+            self.pos = torch.cat([self.pos[:, :start], kept_pos], 1)
         kept = self.visible(torch.arange(width, device=dev) <= num[:, None])
         self.bias = torch.cat([self.bias[:, :start], kept], 1)
         extra = self.cache.get_seq_length() - self.slots

@@ -24,7 +24,7 @@ from ..sampling.ops import sample_from_logits
 from ..validation import as_integer, check_no_bad, check_tensor, fail
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _verify_tree_prepared
-from .cache import ModelCache, attention_window
+from .cache import ModelCache, attention_windows
 from .drafters import ModelDrafter, NgramDrafter, RowsOf, draft_plan
 from .draws import Call, Streams
 from .layout import tree_layout
@@ -113,16 +113,17 @@ def _check_prompt(op: str, input_ids, attention_mask, model) -> tuple[Tensor, Te
 
 def _check_window(op: str, name: str, model, real: Tensor, max_new: int) -> None:
     """``model`` attends to every position whose logits count: positions 0 to the longest prompt + ``max_new`` - 2
-    fit in a sliding-window or chunked layer's window, which the loop's custom mask does not apply (the logits
-    would silently differ from the model's own). Tokens past them are fed at the last (:class:`ModelCache`)."""
-    window = attention_window(model)
+    fit in the window of its layers that the loop's mask cannot apply (sliding beside full layers, chunked ones:
+    the logits would silently differ from the model's own; a window every layer slides is applied,
+    :class:`ModelCache`). Tokens past them are fed at the last (:class:`ModelCache`)."""
+    window = attention_windows(model)[1]
     if window is None or not max_new:
         return
     reach = int(real.sum(1).max()) + max_new - 1
     if reach > window:
-        fail(op, name, f"full attention over the {reach} positions whose logits count (longest prompt + max_new_tokens "
-             "- 1; sliding-window and chunked layers are not supported past their window)",
-             f"a model attending to the last {window} positions")
+        fail(op, name, f"attention over the {reach} positions whose logits count (longest prompt + max_new_tokens "
+             "- 1; sliding-window layers beside full ones, and chunked layers, are not supported past their window)",
+             f"a model whose layers attend to the last {window} positions")
 
 
 def _check_rng(op: str, rng) -> None:
