@@ -122,7 +122,7 @@ class SamplingParams:
                     check_no_bad(op, full_name, bad(v.to(dtype)), v, want)
                 rows = v.to(device=device, dtype=dtype).expand(batch)
                 if name == "temperature":  # positive as given, as a scalar is: float64 holds some float32 rounds to 0
-                    positive = (v.to(device) if v.dtype == torch.float64 else rows) > 0
+                    positive = v.to(device) > 0
                     rows = torch.where(positive & (rows < MIN_TEMPERATURE), MIN_TEMPERATURE, rows)
                 out[name] = rows.repeat_interleave(per_request) if per_request != 1 else rows.contiguous()
             else:  # made once per (value, rows, device): no launch per call on a GPU

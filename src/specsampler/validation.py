@@ -42,6 +42,14 @@ def as_integer(value: object, one_value_tensors: bool = False) -> int | None:
         return None
 
 
+def check_integer(op: str, name: str, value: object, low: int | None = None) -> int:
+    """``value`` (see :func:`as_integer`) as an int, at least ``low`` where given; else a ValueError naming ``name``."""
+    n = as_integer(value)
+    if n is None or low is not None and n < low:
+        fail(op, name, "an int" if low is None else f"an int >= {low}", repr(value))
+    return n
+
+
 def check_mode(op: str, validate: str) -> bool:
     """Check ``validate`` and return True for ``"full"``."""
     if validate not in MODES:

@@ -21,7 +21,7 @@ from ..kernels import use_triton
 from ..params import SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox
 from ..sampling.ops import sample_from_logits
-from ..validation import as_integer, check_no_bad, check_tensor, fail
+from ..validation import as_integer, check_integer, check_no_bad, check_tensor, fail
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _verify_tree_prepared
 from .cache import ModelCache, attention_windows
@@ -129,14 +129,6 @@ def _check_window(op: str, name: str, model, real: Tensor, max_new: int) -> None
 def _check_rng(op: str, rng) -> None:
     if rng is not None and not isinstance(rng, (torch.Generator, Philox)):
         fail(op, "rng", "None, a torch.Generator or a specsampler.Philox", type(rng).__name__)
-
-
-def _check_count(op: str, name: str, value, low: int) -> int:
-    """``value`` as an int >= ``low`` (any integer: a NumPy integer or a 0-d integer tensor too)."""
-    n = as_integer(value)
-    if n is None or n < low:
-        fail(op, name, f"an int >= {low}", repr(value))
-    return n
 
 
 def _check_on_step(op: str, on_step) -> None:
@@ -257,7 +249,7 @@ def generate(
     _check_rng(op, rng)
     _check_on_step(op, on_step)
     ids, real = _check_prompt(op, input_ids, attention_mask, model)
-    max_new_tokens = _check_count(op, "max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = check_integer(op, "max_new_tokens", max_new_tokens, 0)
     one_d, out_device = input_ids.dim() == 1, input_ids.device
     dev = _model_device(model)
     ids, real = ids.to(dev), real.to(dev)
@@ -326,9 +318,9 @@ def _branching(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> tupl
         if tree_shape is not None:
             fail(op, "tree_shape", f"None for drafter {drafter!r} (num_draft_tokens sets the chain)",
                  repr(tree_shape))
-        return (1,) * _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
+        return (1,) * check_integer(op, "num_draft_tokens", num_draft_tokens, 1)
     if tree_shape is None:
-        k = _check_count(op, "num_draft_tokens", num_draft_tokens, 1)
+        k = check_integer(op, "num_draft_tokens", num_draft_tokens, 1)
         return (2, 2) + (1,) * (k - 2) if k >= 2 else (2,)
     listed = isinstance(tree_shape, Sequence) and not isinstance(tree_shape, (str, bytes)) or (
         isinstance(tree_shape, (np.ndarray, Tensor)) and tree_shape.ndim == 1)
@@ -410,7 +402,7 @@ def speculative_generate(
     _check_rng(OP, rng)
     _check_on_step(OP, on_step)
     ids, real = _check_prompt(OP, input_ids, attention_mask, target)
-    max_new_tokens = _check_count(OP, "max_new_tokens", max_new_tokens, 0)
+    max_new_tokens = check_integer(OP, "max_new_tokens", max_new_tokens, 0)
     method, how = _resolve(OP, drafter, method, draft_sampling)
     branching = _branching(OP, drafter, num_draft_tokens, tree_shape)
     if (draft is None) != (drafter == "ngram"):
@@ -424,9 +416,9 @@ def speculative_generate(
     # the target only: a draft's window changes its proposals, never the output's distribution
     _check_window(OP, "target", target, real, max_new_tokens)
     if drafter == "ngram":
-        num_draft_tokens = _check_count(OP, "num_draft_tokens", num_draft_tokens, 1)
-        prompt_lookup_min = _check_count(OP, "prompt_lookup_min", prompt_lookup_min, 1)
-        prompt_lookup_max = _check_count(OP, "prompt_lookup_max", prompt_lookup_max, prompt_lookup_min)
+        num_draft_tokens = check_integer(OP, "num_draft_tokens", num_draft_tokens, 1)
+        prompt_lookup_min = check_integer(OP, "prompt_lookup_min", prompt_lookup_min, 1)
+        prompt_lookup_max = check_integer(OP, "prompt_lookup_max", prompt_lookup_max, prompt_lookup_min)
     run = _Run(target, ids, real, max_new_tokens, params, method, rng, eos, on_step, started, input_ids)
     if drafter == "ngram":
         run.ngram(num_draft_tokens, prompt_lookup_min, prompt_lookup_max)

@@ -19,7 +19,7 @@ from ..kernels import use_triton
 from ..params import RowParams, SamplingParams, check_field
 from ..rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
 from ..validation import (
-    as_integer,
+    check_integer,
     check_logits_values,
     check_mode,
     check_no_bad,
@@ -248,10 +248,7 @@ def sample_from_logits(
     op = "sample_from_logits"
     full = check_mode(op, validate)
     check_rng(op, rng)
-    n = as_integer(num_logprobs)  # a NumPy integer or a 0-d integer tensor too, as the other counts
-    if n is None or n < 0:
-        fail(op, "num_logprobs", "an int >= 0", repr(num_logprobs))
-    num_logprobs = n
+    num_logprobs = check_integer(op, "num_logprobs", num_logprobs, 0)  # NumPy's integers too, as the other counts
     lead = logits.shape[:-1]
     if num_logprobs == 0 and use_triton(logits.device):  # top-N log-probabilities: the PyTorch path
         from ..kernels import ops

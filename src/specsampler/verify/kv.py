@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from ..validation import (
-    as_integer,
     check_device,
+    check_integer,
     check_mode,
     check_no_bad,
     check_shape,
@@ -70,9 +70,7 @@ def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Ten
         check_tensor(op, name, t, kind="int", ndim=1)
         check_shape(op, name, t, (B,), "[B]")
         check_device(op, name, t, path.device)
-    dim = as_integer(seq_dim)
-    if dim is None:
-        fail(op, "seq_dim", "an int", repr(seq_dim))
+    dim = check_integer(op, "seq_dim", seq_dim)
     for i, t in enumerate(tensors):
         # the sequence dim, counted from either end, is not the batch dim 0: moves never cross requests' rows
         if not (1 <= dim < t.dim() or -t.dim() < dim < 0) or t.shape[0] != B:
