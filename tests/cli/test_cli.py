@@ -132,6 +132,29 @@ def test_demo_arguments_it_cannot_use_are_usage_errors_naming_the_option(argv, m
     assert f"error: {message}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # a negative count ended in torch's "zeros: Dimension size must be non-negative" traceback, 0 in "FAILURES above"
+    (["check", "--trials", "-5"], "argument --trials: expected an int >= 1, got '-5'"),
+    (["check", "--trials", "0"], "argument --trials: expected an int >= 1, got '0'"),
+    # the tour drafts each node's top-2: a vocabulary of 1 ended in topk's "selected index k out of range" traceback
+    (["tour", "--vocab", "1"], "argument --vocab: expected an int >= 2, got '1'"),
+    # -1 ended in "no median for empty data"; 0 silently meant the default
+    (["bench", "--quick", "--reps", "-1"], "argument --reps: expected an int >= 1, got '-1'"),
+    (["bench", "--quick", "--reps", "0"], "argument --reps: expected an int >= 1, got '0'"),
+])
+def test_counts_the_commands_cannot_use_are_usage_errors_naming_the_option(argv, message, capsys, monkeypatch):
+    import importlib
+
+    for name in ("run", "run_generate"):
+        monkeypatch.setattr(importlib.import_module("specsampler.cli.bench"), name,
+                            lambda *a, **k: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {message}" in err and "Traceback" not in err
+
+
 def test_demo_prompts_are_integer_ids_and_a_prompt_of_no_tokens_names_prompt():
     from specsampler.cli.demo import _batch
     from specsampler.generate.modelpair import ByteTokenizer

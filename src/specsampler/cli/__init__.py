@@ -219,18 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_arguments(p)
     p.set_defaults(func=demo.demo)
     p = sub.add_parser("tour", help="a short tour of the API on synthetic logits")
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--vocab", type=demo.int_at_least(2), default=32000)  # the tree drafts each node's top-2
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=tour)
     p = sub.add_parser("check", help="exactness checks of every verification method (oracle and Monte Carlo)")
-    p.add_argument("--trials", type=int, default=100_000)
+    p.add_argument("--trials", type=demo.positive_int, default=100_000)
     p.add_argument("--only", choices=["chain", "tree"], help="check one family only")
     p.set_defaults(func=check)
     p = sub.add_parser("bench", help="benchmarks: ops against plain-PyTorch baselines and the one-read floor, or "
                        "`bench generate`: where generation's time goes, every method on the built-in pair")
     p.add_argument("what", nargs="?", choices=["ops", "generate"], default="ops")
     p.add_argument("--device", default="cpu", type=device_arg)
-    p.add_argument("--reps", type=int, help="rounds per case (default: 15 for ops, 3 for generate)")
+    p.add_argument("--reps", type=demo.positive_int, help="rounds per case (default: 15 for ops, 3 for generate)")
     p.add_argument("--max-new-tokens", type=demo.positive_int, default=96,
                    help="generate: new tokens per prompt (>= 1)")
     p.add_argument("--quick", action="store_true", help="smaller shapes")
