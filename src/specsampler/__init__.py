@@ -6,7 +6,7 @@ dtypes. ``import specsampler`` loads the core (sampling, verification, the kerne
 Where things live: ARCHITECTURE.md.
 """
 
-import importlib
+import importlib as _importlib
 
 from . import _legacy
 from .kernels.warmup import warmup
@@ -41,17 +41,20 @@ _LAZY = {"longspec", "mlc", "oracle", "generate", "compat", "parallel"}
 def __getattr__(name: str):
     # ``specsampler.mlc`` etc. as attributes without importing them with the core.
     if name in _LAZY:
-        return importlib.import_module(f"{__name__}.{name}")
+        return _importlib.import_module(f"{__name__}.{name}")
     if f"{__name__}.{name}" in _legacy.MOVED:  # ``specsampler.chain`` etc., the flat layout's modules
-        return importlib.import_module(_legacy.MOVED[f"{__name__}.{name}"])
+        return _importlib.import_module(_legacy.MOVED[f"{__name__}.{name}"])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+# the core's names: a star import loads nothing more (the subpackages load when first used, as attributes;
+# generate needs the optional transformers)
 __all__ = [
     "ChainResult",
-    "longspec",
-    "mlc",
-    "oracle",
     "Philox",
     "SampleOutput",
     "SamplingParams",
