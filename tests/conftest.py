@@ -10,6 +10,9 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        from interpreter_shim import read_scalars_as_newer_triton
+
+        read_scalars_as_newer_triton()
     # Under pytest-xdist (``./run.sh test``: one worker per core) each worker gets its share of the cores for
     # ATen's threads, not all of them each.
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

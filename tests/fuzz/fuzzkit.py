@@ -189,13 +189,14 @@ def bounds_checked(on: bool = True) -> Iterator[None]:
             raise OutOfBounds(f"{names.get('kernel', 'a kernel')}: {kind} of {size} bytes at {bad:#x}, outside "
                               f"every tensor argument (nearest: {near[2]} at [{near[0]:#x}, {near[1]:#x}))")
 
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # the interpreter's further parameters (cache and eviction policies, volatility) differ between Triton releases
+    def masked_load(self, ptrs, mask, *rest):
         checked("load", ptrs, mask)
-        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return load(self, ptrs, mask, *rest)
 
-    def masked_store(self, ptrs, value, mask, cache_policy):
+    def masked_store(self, ptrs, value, mask, *rest):
         checked("store", ptrs, mask)
-        return store(self, ptrs, value, mask, cache_policy)
+        return store(self, ptrs, value, mask, *rest)
 
     def init_args_hst(self, args_dev, kwargs):
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
