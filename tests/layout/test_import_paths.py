@@ -40,23 +40,16 @@ def test_every_name_in_all_resolves():
         assert getattr(specsampler, name) is not None, name
 
 
-def test_import_loads_the_core_only():
-    code = ("import sys, specsampler; "
-            "print(sorted(m for m in sys.modules if m.startswith('specsampler.')))")
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    for integration in ("mlc", "longspec", "generate", "compat", "parallel", "cli", "verify.oracle"):
-        assert f"'specsampler.{integration}" not in loaded, loaded
-    assert "transformers" not in sys.modules or "'transformers" not in loaded
-
-
-def test_a_star_import_loads_the_core_only_and_the_package_holds_no_helper_module():
-    # `from specsampler import *` imported mlc, longspec and the oracle (listed in __all__), and the package's
-    # `import importlib` was its attribute, a name the API does not have
-    code = ("import sys; from specsampler import *; import specsampler; "
+@pytest.mark.parametrize("importing", ["import specsampler", "from specsampler import *; import specsampler"])
+def test_import_loads_the_core_only_and_the_package_holds_no_helper_module(importing):
+    # a star import loaded mlc, longspec and the oracle (listed in __all__), and the package's `import importlib`
+    # was its attribute, a name the API does not have
+    code = (f"import sys; {importing}; "
             "print(sorted(m for m in sys.modules if m.startswith('specsampler.')), hasattr(specsampler, 'importlib'))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     for integration in ("mlc", "longspec", "generate", "compat", "parallel", "cli", "verify.oracle"):
         assert f"'specsampler.{integration}" not in loaded, loaded
+    assert "transformers" not in sys.modules or "'transformers" not in loaded
     assert loaded.rstrip().endswith("False"), loaded
     assert {"mlc", "longspec", "oracle", "generate", "compat", "parallel"} <= set(dir(specsampler))
 
