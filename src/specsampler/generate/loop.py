@@ -19,10 +19,12 @@ from torch import Tensor
 
 from ..kernels import use_triton
 from ..params import SamplingParams
-from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox
+from ..rng import STREAM_SAMPLE, Philox
 from ..sampling.ops import sample_from_logits
 from ..validation import as_integer, check_integer, check_no_bad, check_tensor, fail
+from ..verify.chain import _STREAMS as _CHAIN_STREAMS
 from ..verify.chain import _verify_chain_prepared
+from ..verify.tree import _STREAMS as _TREE_STREAMS
 from ..verify.tree import _verify_tree_prepared
 from .cache import ModelCache, attention_windows
 from .drafters import ModelDrafter, NgramDrafter, RowsOf, draft_plan
@@ -331,13 +333,12 @@ def _branching(op: str, drafter: str, num_draft_tokens: int, tree_shape) -> tupl
     return shape
 
 
+_STREAMS = {**_CHAIN_STREAMS, **_TREE_STREAMS}  # each verification method's streams (the two ops agree on the shared)
+
+
 def _verify_plan(method: str, count: int) -> tuple[tuple[int, int], ...]:
-    """The uniforms a verification draws, in its order (greedy: none)."""
-    return {"token": ((STREAM_SAMPLE, count), (STREAM_ACCEPT, count)),
-            "block": ((STREAM_SAMPLE, count), (STREAM_ACCEPT, count)),
-            "rrs": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count)),
-            "traversal": ((STREAM_ACCEPT, count), (STREAM_SAMPLE, count)),
-            "greedy": ()}.get(method, ((STREAM_SAMPLE, count),))
+    """The uniforms a verification draws, in its order: its op's streams (greedy: none), ``count`` each."""
+    return tuple((stream, count) for stream in _STREAMS[method])
 
 
 @torch.inference_mode()
