@@ -382,6 +382,86 @@ def test_drafts_past_max_new_tokens_stay_inside_the_position_table():
         assert out.tokens.tolist() == expected, drafter
 
 
+def _tiny(config: str, **fields):
+    """A tiny random model of a transformers architecture (its config class's name), float64, untied and sharp."""
+    transformers = importlib.import_module("transformers")
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(vocab_size=48, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                                        tie_word_embeddings=False, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(6.0)  # sharp rows: a text that does not repeat one token
+    return model
+
+
+UNSUPPORTED = {  # config: (tiny fields, what the error says of it)
+    "MptConfig": (dict(d_model=16, n_heads=2, n_layers=1, max_seq_len=64), "ALiBi"),
+    "BloomConfig": (dict(hidden_size=16, n_layer=1, n_head=2), "ALiBi"),
+    "FalconConfig": (dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, alibi=True), "ALiBi"),
+    "MambaConfig": (dict(hidden_size=16, num_hidden_layers=1, state_size=4), "a recurrent state"),
+    "Lfm2Config": (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, layer_types=["conv", "full_attention"]), "layers of type 'conv'"),
+}
+
+
+@pytest.mark.parametrize("config", sorted(UNSUPPORTED))
+def test_models_the_loop_cannot_score_as_they_score_themselves_are_named_before_they_run(config, pair):
+    """ALiBi biases come from cache slots, which the loop keeps where no request uses them (MPT: other tokens than
+    its own greedy ones, silently; BLOOM and Falcon failed inside the model); a recurrent state or convolution
+    cannot be taken back after rejected drafts (shape and index errors, or other tokens, silently)."""
+    fields, why = UNSUPPORTED[config]
+    model = _tiny(config, **fields)
+    model.register_forward_pre_hook(lambda *_: pytest.fail("the model ran"))
+    target, _ = pair
+    prompt = torch.tensor([5, 17, 3, 30, 11])
+    runs = [("target", lambda: speculative_generate(model, model, prompt, 6, GREEDY)),
+            ("target", lambda: speculative_generate(model, None, prompt, 6, GREEDY, drafter="ngram")),
+            ("draft", lambda: speculative_generate(target, model, prompt, 6, GREEDY, drafter="tree")),
+            ("model", lambda: generate(model, prompt, 6, GREEDY))]
+    for name, run in runs:
+        with pytest.raises(ValueError, match=f": {name}: expected a causal LM of attention layers .*, with {why}"):
+            run()
+
+
+def test_a_model_masking_by_cache_slot_gives_its_own_tokens_or_is_named():
+    """GPT-Neo masks by cache slot, where the loop keeps slots that no request uses (drafts not kept, tree
+    siblings): past its local layers' window other tokens than its own (silently), past its causal table an error
+    inside the model, though every position fit. Now its own tokens within them and a ValueError past them."""
+    prompt = torch.tensor([5, 17, 3, 30, 11])
+    local = _tiny("GPTNeoConfig", hidden_size=16, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+                  window_size=24, max_position_embeddings=64)
+    # 5 prompt slots, 5 kept ones and a tree of 11 nodes: 21 slots, within the window
+    out = speculative_generate(local, local, prompt, 6, GREEDY, drafter="tree", tree_shape=[2, 2, 1])
+    assert out.tokens.tolist() == hf_greedy(local, prompt, 6)
+    with pytest.raises(ValueError, match=r": target: expected room for the \d+ cache slots the generation reaches .*"
+                                         r"cover 64 of them, some seeing only the last 24"):
+        speculative_generate(local, local, prompt, 20, GREEDY, drafter="tree", tree_shape=[2, 2, 1])
+    table = _tiny("GPTNeoConfig", hidden_size=16, num_layers=1, num_heads=2, attention_types=[[["global"], 1]],
+                  max_position_embeddings=16)
+    assert generate(table, prompt, 12, GREEDY).tokens.tolist() == hf_greedy(table, prompt, 12)  # 16 slots: all
+    for run in (lambda: generate(table, prompt, 13, GREEDY),  # named before the model runs
+                lambda: speculative_generate(table, table, prompt, 12, GREEDY)):  # the last step's drafts past 16
+        with pytest.raises(ValueError, match=r"expected room for the 1[78] cache slots .*cover 16 of them$"):
+            run()
+
+
+def test_positions_past_a_learned_table_are_named():
+    # an IndexError from inside the model (where its own generate fails too), for the target and for a draft
+    prompt = torch.tensor([5, 17, 3, 30, 11, 2, 9, 4])
+    opt = _tiny("OPTConfig", hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                word_embed_proj_dim=16, max_position_embeddings=16)
+    assert speculative_generate(opt, None, prompt, 9, GREEDY, drafter="ngram").tokens.tolist() == hf_greedy(
+        opt, prompt, 9)  # positions 0 .. 15
+    long = _tiny("LlamaConfig", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64)
+    for name, run in (("model", lambda: generate(opt, prompt, 10, GREEDY)),
+                      ("target", lambda: speculative_generate(opt, None, prompt, 10, GREEDY, drafter="ngram")),
+                      ("draft", lambda: speculative_generate(long, opt, prompt, 12, GREEDY))):
+        with pytest.raises(ValueError, match=f": {name}: expected a model that embeds every position the generation "
+                                             r"feeds .*, got an IndexError at positions up to 1[6-9]"):
+            run()
+
+
 def test_wrong_length_params_are_named_by_their_argument(pair):
     # both said "SamplingParams.top_k: expected shape [B]", not which argument was at fault
     target, draft = pair

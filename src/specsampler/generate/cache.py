@@ -15,12 +15,62 @@ import inspect
 import torch
 from torch import Tensor
 
+from ..validation import fail
+
 
 def cache_argument(model) -> str:
     """The keyword under which ``model``'s forward takes its KV cache: ``cache`` (transformers >= 5.x)
     or ``past_key_values``."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
+
+
+# the layer types whose attention the loop's 4-D mask states and whose keys and values its cache holds (sliding and
+# chunked windows: ModelCache, and the loop's window check)
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _text_config(model):
+    """``model``'s transformers config (its text decoder's, for a multimodal one), or None."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    return config
+
+
+def unsupported(model) -> str | None:
+    """Why the loop cannot give ``model``'s own logits, or None where it can (docs/design.md, "Speculative
+    generation"): a recurrent state (transformers marks such models stateful and refuses them in its own assisted
+    generation: a state cannot be taken back to before rejected drafts), layers of another type than attention
+    (``layer_types``: convolutions, linear attention, ...), or ALiBi biases (BLOOM, MPT, Falcon with ``alibi``),
+    which the model computes from cache slots, not from the positions the loop gives: every tree, and every batch
+    whose requests keep different slots, would be scored at other distances than its own."""
+    if getattr(model, "_is_stateful", False):
+        return "a recurrent state (transformers marks the model stateful): rejected drafts cannot be taken back"
+    config = _text_config(model)
+    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in ATTENTION_LAYERS})
+    if other:
+        return f"layers of type {', '.join(map(repr, other))} (the loop keeps attention layers' keys and values only)"
+    attn = getattr(config, "attn_config", None)  # MPT's
+    alibi = attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", False)
+    if getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) or alibi:
+        return "ALiBi attention biases, which the model computes from cache slots, not from the positions given"
+    return None
+
+
+def slot_masks(model) -> tuple[int | None, int | None]:
+    """The causal masks ``model`` keeps itself and indexes by cache slot (bool buffers ``[1, 1, M, M]``, GPT-Neo's
+    ``bias``): the fewest slots one covers (M; past them the model fails) and the fewest slots back that a windowed
+    one lets a query see (GPT-Neo's local layers; a key further back in slots is hidden, though it may be nearer in
+    positions, where the loop keeps slots no request uses). None where there is none."""
+    table = window = None
+    for buf in model.buffers():
+        if buf.dtype == torch.bool and buf.dim() == 4 and buf.shape[:2] == (1, 1) and buf.shape[2] == buf.shape[3]:
+            M, seen = buf.shape[3], int(buf[0, 0, -1].sum())  # the last query's row: the keys within its window
+            table = M if table is None else min(table, M)
+            if seen < M:
+                window = seen if window is None else min(window, seen)
+    return table, window
 
 
 def attention_windows(model) -> tuple[int | None, int | None]:
@@ -33,11 +83,9 @@ def attention_windows(model) -> tuple[int | None, int | None]:
     model's, so such a model gives its own logits only while every position it is queried at fits in that window.
     None: no such window.
     """
-    config = getattr(model, "config", None)
+    config = _text_config(model)
     if config is None:
         return None, None
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
     sliding, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
     sliding = sliding if isinstance(sliding, int) and sliding > 0 else None
     chunk = chunk if isinstance(chunk, int) and chunk > 0 else None
@@ -71,12 +119,22 @@ class ModelCache:
     ``max_new_tokens``, the tokens of requests that ended) are fed at it, so that they never outrun the model's
     position table (``n_positions``) or window. ``window``: the sliding window of every layer
     (:func:`attention_windows`), applied by position in each call's mask; ``pos`` int64 ``[B, S]`` then holds each
-    slot's position.
+    slot's position. ``op``, ``name``: the call and the argument its errors name; ``exact``: the model's own logits
+    count (a target's; a draft's only change its proposals). Where the model keeps causal masks indexed by cache
+    slot (:func:`slot_masks`), a call past them (past their window, where ``exact``) is a ValueError, and so is
+    ``fewest``, the slots the generation takes at least, before the model runs.
     """
 
-    def __init__(self, model, batch: int, device: torch.device, last: Tensor | None = None):
+    def __init__(self, model, batch: int, device: torch.device, last: Tensor | None = None, *, op: str,
+                 name: str, exact: bool = True, fewest: int = 0):
         from transformers import DynamicCache
 
+        self.op, self.name = op, name
+        table, window = slot_masks(model)
+        self._masks = table, window if exact else None
+        self.room = table if self._masks[1] is None else min(table, window)
+        if self.room is not None and fewest > self.room:
+            self._no_room(fewest)
         self.model = model
         self.cache = DynamicCache()
         self.dtype = model.dtype
@@ -97,6 +155,13 @@ class ModelCache:
         """The additive bias of ``seen`` (bool): 0 where True, the dtype's minimum elsewhere."""
         return torch.where(seen, self._seen, self._unseen)
 
+    def _no_room(self, slots: int) -> None:
+        fail(self.op, self.name, f"room for the {slots} cache slots the generation reaches (a batch keeps slots that "
+             "some request does not use, and each step feeds its drafts after the committed tokens: fewer new "
+             "tokens, drafts or requests take fewer)",
+             f"a model whose own causal masks index cache slots and cover {self._masks[0]} of them"
+             + ("" if self._masks[1] is None else f", some seeing only the last {self._masks[1]}"))
+
     def forward(self, tokens: Tensor, positions: Tensor, own: Tensor, *, prefix: int | None = None,
                 committed: Tensor | None = None) -> Tensor:
         """Run the model on ``tokens`` int64 ``[B, n]`` at ``positions`` ``[B, n]``.
@@ -108,6 +173,8 @@ class ModelCache:
         Returns float32 logits ``[B, n, V]``.
         """
         B, n = tokens.shape
+        if self.room is not None and self.slots + n > self.room:
+            self._no_room(self.slots + n)
         prefix = self.slots if prefix is None else prefix
         own = (own[:, None] if own.dim() == 3 else own).expand(B, 1, n, own.shape[-1])
         mask = torch.cat([self.bias[:, None, None, :prefix].expand(B, 1, n, prefix), own], 3)
@@ -117,8 +184,13 @@ class ModelCache:
             self.pos = torch.cat([self.pos, positions], 1)
             far = positions[:, :, None] - self.pos[:, None, :] >= self.window
             mask = mask.masked_fill(far[:, None], self.hidden)
-        out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
-                         **{self._cache_kw: self.cache})
+        try:
+            out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self._cache_kw: self.cache})
+        except IndexError as e:  # a learned position table shorter than the positions fed
+            fail(self.op, self.name, "a model that embeds every position the generation feeds (up to the longest "
+                 "prompt + max_new_tokens - 2: fewer new tokens take fewer)",
+                 f"an IndexError at positions up to {int(positions.max())} ({e})")
         self.calls += 1
         new = self._unseen.expand(B, n) if committed is None else self.visible(committed)
         self.bias = torch.cat([self.bias, new], 1)

@@ -26,7 +26,7 @@ from ..verify.chain import _STREAMS as _CHAIN_STREAMS
 from ..verify.chain import _verify_chain_prepared
 from ..verify.tree import _STREAMS as _TREE_STREAMS
 from ..verify.tree import _verify_tree_prepared
-from .cache import ModelCache, attention_windows
+from .cache import ModelCache, attention_windows, unsupported
 from .drafters import ModelDrafter, NgramDrafter, RowsOf, draft_plan
 from .draws import Call, Streams
 from .layout import tree_layout
@@ -111,6 +111,14 @@ def _check_prompt(op: str, input_ids, attention_mask, model) -> tuple[Tensor, Te
         check_no_bad(op, "input_ids", (ids < 0) | (ids >= V), ids,
                      f"token ids in [0, {V}) (the model's vocabulary) where attention_mask is 1")
     return ids, real
+
+
+def _check_model(op: str, name: str, model) -> None:
+    """A ValueError naming ``model`` where the loop cannot give its own logits (:func:`~.cache.unsupported`)."""
+    why = unsupported(model)
+    if why is not None:
+        fail(op, name, "a causal LM of attention layers that places tokens by their position ids",
+             f"{type(model).__name__}, with {why}")
 
 
 def _check_window(op: str, name: str, model, real: Tensor, max_new: int) -> None:
@@ -257,13 +265,14 @@ def generate(
     ids, real = ids.to(dev), real.to(dev)
     B = ids.shape[0]
     params = _check_params(op, "params", params, B, dev)
+    _check_model(op, "model", model)
     _check_window(op, "model", model, real, max_new_tokens)
     out = _Output(B, max_new_tokens, _eos_ids(op, eos_token_id))
     stats = GenerationStats(request_target_calls=[0] * B)
     streams = Streams(rng, B, dev, op, horizon=max_new_tokens)
     rows = RowsOf(params, B, dev, op)
     plan = (((STREAM_SAMPLE, 1),),)
-    state = ModelCache(model, B, dev)
+    state = ModelCache(model, B, dev, op=op, name="model", fewest=real.shape[1] + max_new_tokens - 1)
     pos = real.long().sum(1)[:, None]
     own = torch.zeros(1, 1, dtype=state.dtype, device=dev)  # a new token sees itself
     committed = torch.ones(B, 1, dtype=torch.bool, device=dev)
@@ -414,6 +423,9 @@ def speculative_generate(
     params = _check_params(OP, "params", params, B, dev)
     draft_params = params if draft_params is None else _check_params(OP, "draft_params", draft_params, B, dev)
     eos = _eos_ids(OP, eos_token_id)
+    _check_model(OP, "target", target)
+    if draft is not None:
+        _check_model(OP, "draft", draft)
     # the target only: a draft's window changes its proposals, never the output's distribution
     _check_window(OP, "target", target, real, max_new_tokens)
     if drafter == "ngram":
@@ -444,7 +456,8 @@ class _Run:
         self.pos_root = real.long().sum(1)  # the root's position: tokens before it
         # the last position whose logits count: the one that draws the max_new-th token
         self.last = self.pos_root + max_new - 2
-        self.target = ModelCache(target, self.B, self.dev, self.last)
+        self.target = ModelCache(target, self.B, self.dev, self.last, op=OP, name="target",
+                                 fewest=real.shape[1] + max_new - 1)
         self.kernels = use_triton(self.dev)
 
     def rng_of(self, call: Call):
@@ -475,7 +488,7 @@ class _Run:
         layout = tree_layout(branching)
         D, N = layout.depth, layout.size
         self.stats.draft_depth = D
-        state = ModelCache(draft, B, dev, self.last)
+        state = ModelCache(draft, B, dev, self.last, op=OP, name="draft", exact=False)
         sampled = method not in ("target_only", "greedy")
         drafter = ModelDrafter(state, layout, RowsOf(draft_params, B, dev, OP), how, keep_q=sampled)
         plan = (*draft_plan(layout, how), _verify_plan(method, N))
