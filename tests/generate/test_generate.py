@@ -93,6 +93,68 @@ def test_self_drafting_accepts_every_draft(pair):
     assert out.tokens.tolist() == hf_greedy(target, torch.tensor([4, 4, 9]), 21)
 
 
+def test_accepted_drafts_count_only_the_tokens_a_request_took(pair):
+    # drafts accepted past max_new_tokens (or after an EOS), scored at a clamped position and never emitted, were
+    # counted: [[4]] and an acceptance rate of 1 for a step that emitted one token
+    target, _ = pair
+    prompt = torch.tensor([4, 4, 9])
+    for new, counted in ((2, [[1]]), (4, [[3]]), (6, [[4]])):
+        out = speculative_generate(target, target, prompt, new, GREEDY, num_draft_tokens=4)
+        assert out.stats.accepted_per_step == counted and out.lengths.tolist() == [new]
+    eos = hf_greedy(target, prompt, 3)[1]  # the second token: the step's first draft, accepted
+    out = speculative_generate(target, target, prompt, 20, GREEDY, num_draft_tokens=4, eos_token_id=eos)
+    assert out.lengths.tolist() == [2] and out.stats.accepted_per_step == [[1]]
+
+
+def test_no_draft_call_when_the_first_token_ends_the_generation(pair):
+    # the draft was prefilled with no step to draft for (draft_calls 1 at max_new_tokens 1)
+    target, draft = pair
+    calls = []
+    hook = draft.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        prompt = torch.tensor([4, 4, 9])
+        out = speculative_generate(target, draft, prompt, 1, GREEDY)
+        first = hf_greedy(target, prompt, 1)[0]
+        ended = speculative_generate(target, draft, prompt, 8, GREEDY, eos_token_id=first)
+    finally:
+        hook.remove()
+    assert calls == [] and out.stats.draft_calls == ended.stats.draft_calls == 0
+    assert out.stats.target_calls == ended.stats.target_calls == 1 and ended.lengths.tolist() == [1]
+
+
+def test_a_draft_of_another_vocabulary_is_named_before_a_model_runs(pair):
+    # only the first step's logits were compared: a token of one model's vocabulary could reach the other's
+    # embedding first, an IndexError named as a position past the model's table, depending on the seed
+    target, _ = pair
+    for V in (40, 60):
+        other = tiny_llama(V, 1, 16, seed=3)
+        hooks = [m.register_forward_pre_hook(lambda *_: pytest.fail("a model ran")) for m in (target, other)]
+        try:
+            for seed in range(4):
+                with pytest.raises(ValueError, match=f"speculative_generate: draft: expected a vocabulary of the "
+                                                     f"target's size 48, got {V}"):
+                    speculative_generate(target, other, torch.tensor([4, 4, 9]), 6,
+                                         ss.SamplingParams(temperature=1.0), rng=ss.Philox(seed))
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def test_each_step_hands_on_step_its_own_snapshot(pair):
+    # every partial output shared the loop's live stats: read after the call, an early one showed the final counts
+    target, draft = pair
+    seen = []
+    out = speculative_generate(target, draft, torch.tensor([4, 4, 9]), 12, GREEDY, on_step=seen.append)
+    assert len(seen) == len(out.stats.accepted_per_step) >= 2
+    for k, part in enumerate(seen, 1):
+        assert part.stats is not out.stats and part.stats.new_tokens == part.lengths.tolist()
+        assert part.stats.accepted_per_step == out.stats.accepted_per_step[:k]
+        assert part.stats.target_calls == k + 1 and part.stats.draft_calls <= out.stats.draft_calls
+    plain = []
+    generate(target, torch.tensor([4, 4, 9]), 5, GREEDY, on_step=plain.append)
+    assert [p.stats.new_tokens for p in plain] == [[1], [2], [3], [4], [5]]
+
+
 @pytest.mark.parametrize("drafter,how,shape", [("chain", "iid", None), ("tree", "without_replacement", [2, 2, 1])])
 def test_batched_left_padded_prompts_equal_their_runs_alone(pair, drafter, how, shape):
     target, draft = pair

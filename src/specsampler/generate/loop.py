@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -45,7 +45,8 @@ class GenerationStats:
 
     - ``target_calls`` / ``draft_calls``: forward passes of each model (prefills included).
     - ``accepted_per_step``: per verification step, the accepted drafts of each request still
-      generating (``[]`` for plain sampling).
+      generating, among the tokens it took (drafts past ``max_new_tokens`` or an EOS do not count; ``[]`` for
+      plain sampling).
     - ``draft_depth``: the most drafts one step can accept (chain length, tree depth).
     - ``new_tokens``: tokens generated per request; ``request_target_calls``: target calls per
       request while it was generating.
@@ -121,6 +122,27 @@ def _check_model(op: str, name: str, model) -> None:
              f"{type(model).__name__}, with {why}")
 
 
+def _vocabulary(model) -> tuple[int | None, int | None]:
+    """``model``'s vocabulary sizes: its input embeddings' rows and its head's outputs (None where it does not say)."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return getattr(embed, "num_embeddings", None), weight.shape[0] if isinstance(weight, Tensor) else None
+
+
+def _check_vocabularies(op: str, target, draft) -> None:
+    """The draft scores the target's vocabulary and each model embeds every token the other emits (else a token
+    of one would reach the other's embedding out of range), where the models say their sizes (else the first
+    step's logits are compared)."""
+    (t_in, t_out), (d_in, d_out) = _vocabulary(target), _vocabulary(draft)
+    if None not in (t_out, d_out) and d_out != t_out:
+        fail(op, "draft", f"a vocabulary of the target's size {t_out}", d_out)
+    if None not in (t_out, d_in) and d_in < t_out:
+        fail(op, "draft", f"input embeddings for the target's {t_out} tokens", d_in)
+    if None not in (d_out, t_in) and t_in < d_out:
+        fail(op, "target", f"input embeddings for the draft's {d_out} tokens", t_in)
+
+
 def _check_window(op: str, name: str, model, real: Tensor, max_new: int) -> None:
     """``model`` attends to every position whose logits count: positions 0 to the longest prompt + ``max_new`` - 2
     fit in the window of its layers that the loop's mask cannot apply (sliding beside full layers, chunked ones:
@@ -184,21 +206,27 @@ class _Output:
         self.done = [max_new == 0] * B
         self.max_new, self.eos = max_new, set(eos)
 
-    def add(self, rows: list[list[int]], counts: list[int]) -> None:
-        """Append ``rows[b][:counts[b]]`` to each request still generating."""
+    def add(self, rows: list[list[int]], counts: list[int]) -> list[int]:
+        """Append ``rows[b][:counts[b]]`` to each request still generating, up to its end; returns how many tokens
+        each request took."""
+        took = [0] * len(rows)
         for b, (row, n) in enumerate(zip(rows, counts)):
             if self.done[b]:
                 continue
             for t in row[:n]:
                 self.tokens[b].append(t)
+                took[b] += 1
                 if t in self.eos or len(self.tokens[b]) >= self.max_new:
                     self.done[b] = True
                     break
+        return took
 
     def result(self, stats: GenerationStats, one_d: bool, device, started: float) -> GenerationOutput:
+        """The output so far, with a copy of ``stats`` as of now (the loop goes on adding to its own)."""
         T = max((len(t) for t in self.tokens), default=0)
-        stats.new_tokens = [len(t) for t in self.tokens]
-        stats.wall_time_s = time.perf_counter() - started
+        stats = replace(stats, accepted_per_step=[list(a) for a in stats.accepted_per_step],
+                        request_target_calls=list(stats.request_target_calls),
+                        new_tokens=[len(t) for t in self.tokens], wall_time_s=time.perf_counter() - started)
         with torch.inference_mode(False):  # the loop runs in inference mode; its outputs are ordinary tensors
             out = torch.full((len(self.tokens), T), -1, dtype=torch.long)
             for b, t in enumerate(self.tokens):
@@ -426,6 +454,7 @@ def speculative_generate(
     _check_model(OP, "target", target)
     if draft is not None:
         _check_model(OP, "draft", draft)
+        _check_vocabularies(OP, target, draft)
     # the target only: a draft's window changes its proposals, never the output's distribution
     _check_window(OP, "target", target, real, max_new_tokens)
     if drafter == "ngram":
@@ -474,10 +503,11 @@ class _Run:
 
     def _record(self, accepted: list[int], rows: list[list[int]], draft_calls: int = 0) -> None:
         """Book a verification step: ``accepted[b]`` drafts, then one more token, of ``rows[b]``."""
-        done = self.out.done
-        self.stats.accepted_per_step.append([a for a, d in zip(accepted, done) if not d])
-        self.stats.request_target_calls = [c + (not d) for c, d in zip(self.stats.request_target_calls, done)]
-        self.out.add(rows, [a + 1 for a in accepted])
+        live = [not d for d in self.out.done]
+        self.stats.request_target_calls = [c + g for c, g in zip(self.stats.request_target_calls, live)]
+        took = self.out.add(rows, [a + 1 for a in accepted])
+        # the accepted drafts among the tokens a request took (max_new_tokens or an EOS may end it at an accepted one)
+        self.stats.accepted_per_step.append([min(a, n) for a, n, g in zip(accepted, took, live) if g])
         self.stats.target_calls, self.stats.draft_calls = self.target.calls, draft_calls
         if self.on_step is not None:
             self.on_step(self.out.result(self.stats, self.one_d, self.out_device, self.started))
@@ -498,6 +528,9 @@ class _Run:
         if all(self.out.done):
             return
         root = self._first()
+        if all(self.out.done):  # the first token ended every request: no draft step follows
+            self.stats.target_calls = self.target.calls
+            return
         state.prefill(self.ids, self.real)
         pending = torch.stack([torch.zeros_like(root), root], 1)
         pending_on = torch.tensor([[False, True]] * B, device=dev)
