@@ -74,12 +74,36 @@ def test_demo_takes_local_model_directories(capsys):
         main(["demo", "--target", str(PAIR_DIR / "target"), "--draft", "/nonexistent"])
 
 
+def test_a_model_directory_transformers_cannot_load_is_a_usage_error(tmp_path, capsys):
+    # a config without weights, or a config that is not JSON, ended in transformers' OSError traceback (status 1)
+    pytest.importorskip("transformers")
+    from specsampler.generate.modelpair import PAIR_DIR
+
+    no_weights, bad_json = tmp_path / "no_weights", tmp_path / "bad_json"
+    no_weights.mkdir(), bad_json.mkdir()
+    (no_weights / "config.json").write_text((PAIR_DIR / "draft" / "config.json").read_text())
+    (bad_json / "config.json").write_text("{not json")
+    for path in (no_weights, bad_json):
+        with pytest.raises(SystemExit) as done:
+            main(["demo", "--target", str(PAIR_DIR / "target"), "--draft", str(path), "--max-new-tokens", "2"])
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: --draft: expected a model directory transformers can load, got '{path}'" in err
+        assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--top-p", "1.5"], "specsampler demo: error: SamplingParams: SamplingParams.top_p: expected a value in"),
     (["demo", "--device", "gpu"], "specsampler demo: error: argument --device: 'gpu' is not a torch device"),
     (["bench", "--quick", "--device", "tpu:0"], "specsampler bench: error: argument --device: 'tpu:0' is not a torch"),
     (["warmup", "--vocab-size", "256", "--device", "cpu"],
      "specsampler warmup: error: warmup: device: expected a device whose ops run the Triton kernels"),
+    # torch's "Expected one of cpu, cuda, ..." RuntimeError traceback (status 1)
+    (["warmup", "--vocab-size", "256", "--device", "bogus"],
+     "specsampler warmup: error: argument --device: 'bogus' is not a torch device"),
+    # an OverflowError traceback from the Philox seeds (status 1)
+    (["demo", "--seed", "99999999999999999999"],
+     "specsampler demo: error: argument --seed: expected an int in [0, 2**63), got '99999999999999999999'"),
 ])
 def test_bad_argument_values_are_usage_errors_not_tracebacks(argv, message, capsys, monkeypatch):
     """A value the library rejects (ValueError naming it) ends the command with status 2 and one line, as argparse's
@@ -99,6 +123,18 @@ def test_a_device_this_machine_lacks_is_a_usage_error_before_any_work(command, c
         main([*command, "--device", "cuda"])
     assert done.value.code == 2
     assert "argument --device: 'cuda': " in capsys.readouterr().err
+
+
+def test_bench_generate_quick_takes_the_new_tokens_it_is_given(monkeypatch):
+    # --quick ran 24 new tokens whatever --max-new-tokens said
+    import importlib
+
+    bench = importlib.import_module("specsampler.cli.bench")
+    seen = []
+    monkeypatch.setattr(bench, "run_generate", lambda *a: seen.append(a[-1]))
+    for argv in (["--quick", "--max-new-tokens", "4"], ["--max-new-tokens", "40"], ["--quick"], []):
+        assert main(["bench", "generate", *argv]) == 0
+    assert seen == [4, 40, None, None]  # None: run_generate's default, 24 with quick and 96 without
 
 
 def test_bench_succeeds_whatever_targets_it_misses(monkeypatch):
@@ -134,8 +170,10 @@ def test_demo_arguments_it_cannot_use_are_usage_errors_naming_the_option(argv, m
 
 @pytest.mark.parametrize("argv, message", [
     # a negative count ended in torch's "zeros: Dimension size must be non-negative" traceback, 0 in "FAILURES above"
-    (["check", "--trials", "-5"], "argument --trials: expected an int >= 1, got '-5'"),
-    (["check", "--trials", "0"], "argument --trials: expected an int >= 1, got '0'"),
+    (["check", "--trials", "-5"], "argument --trials: expected an int >= 1000, got '-5'"),
+    (["check", "--trials", "0"], "argument --trials: expected an int >= 1000, got '0'"),
+    # 10 trials gave "z=inf FAIL" rows and "FAILURES above" for exact methods (a z-test on a sample's own spread)
+    (["check", "--trials", "999"], "argument --trials: expected an int >= 1000, got '999'"),
     # the tour drafts each node's top-2: a vocabulary of 1 ended in topk's "selected index k out of range" traceback
     (["tour", "--vocab", "1"], "argument --vocab: expected an int >= 2, got '1'"),
     # -1 ended in "no median for empty data"; 0 silently meant the default

@@ -153,3 +153,19 @@ def test_greedy_tree_oracle_follows_the_argmax():
     out = oracle.tree(target, draft, [2, 2], "greedy", 4, draft_sampling="top_k")
     (seq,) = out.sequences
     assert seq == oracle.greedy_sequence(target, len(seq))
+
+
+def test_the_monte_carlo_z_score_takes_the_exact_laws_spread_not_the_samples():
+    # a sample of equal counts (few trials) has no spread of its own: its z was infinite ("FAIL" for exact methods)
+    import numpy as np
+
+    from specsampler.verify.exactness import MonteCarlo
+    from specsampler.verify.oracle import Outcome
+
+    exact = Outcome({(1,): 0.5, (2, 3): 0.5}, 0.5)  # 0 or 1 accepted drafts, evenly: variance 1/4
+    mc = MonteCarlo(1.0, 1.0, 0, np.ones(16), None, exact, 0.0)
+    assert mc.z_score() == pytest.approx(0.5 / (0.5 / 4))  # |1 - 0.5| over sqrt(0.25 / 16)
+    assert MonteCarlo(1.0, 1.0, 0, np.full(16, 0.5), None, exact, 0.0).z_score() == 0.0
+    certain = Outcome({(2, 3): 1.0}, 1.0)  # no spread: any gap is infinitely far
+    assert MonteCarlo(1.0, 1.0, 0, np.zeros(4), None, certain, 0.0).z_score() == float("inf")
+    assert MonteCarlo(1.0, 1.0, 0, np.ones(4), None, certain, 0.0).z_score() == 0.0

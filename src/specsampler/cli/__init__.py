@@ -19,7 +19,7 @@ from .. import (
     verify_tree_from_logits,
 )
 from . import demo
-from .bench import device_arg
+from .bench import device_arg, device_name_arg
 
 
 def tour(args: argparse.Namespace) -> int:
@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=tour)
     p = sub.add_parser("check", help="exactness checks of every verification method (oracle and Monte Carlo)")
-    p.add_argument("--trials", type=demo.positive_int, default=100_000)
+    # a z-test of the mean needs a sample of some size: fewer trials decide nothing
+    p.add_argument("--trials", type=demo.int_at_least(1000), default=100_000, help="trials per row (>= 1000)")
     p.add_argument("--only", choices=["chain", "tree"], help="check one family only")
     p.set_defaults(func=check)
     p = sub.add_parser("bench", help="benchmarks: ops against plain-PyTorch baselines and the one-read floor, or "
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("what", nargs="?", choices=["ops", "generate"], default="ops")
     p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--reps", type=demo.positive_int, help="rounds per case (default: 15 for ops, 3 for generate)")
-    p.add_argument("--max-new-tokens", type=demo.positive_int, default=96,
-                   help="generate: new tokens per prompt (>= 1)")
+    p.add_argument("--max-new-tokens", type=demo.positive_int,
+                   help="generate: new tokens per prompt (>= 1; default 96, 24 with --quick)")
     p.add_argument("--quick", action="store_true", help="smaller shapes")
     p.add_argument("--out", help="write the JSON records here")
     p.add_argument("--plot", help="write a PNG of the speedups here (needs matplotlib)")
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="of the logits")
     p.add_argument("--draft-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="of draft (and target) probabilities")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", type=device_name_arg)
     p.add_argument("--methods", help="comma-separated: sample, token, block, target_only, greedy, rrs, traversal, mlc "
                    "(default: all)")
     p.add_argument("--masks", choices=["both", "none", "mask"], default="both",

@@ -25,15 +25,24 @@ from torch import Tensor
 from .. import Philox, SamplingParams, TokenTree, sample_from_logits, verify_chain, verify_tree_from_logits
 
 
+def device_name_arg(text: str) -> str:
+    """An argparse ``type`` for ``--device``: the name as given, where it names a torch device (a usage error, not a
+    traceback, otherwise), whether or not this machine has it."""
+    import argparse
+
+    try:
+        torch.device(text)
+        return text
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({err})") from None
+
+
 def device_arg(text: str) -> str:
     """An argparse ``type`` for ``--device``: the name as given, where torch can use that device here (a clear
     usage error, not a traceback from deep inside, on a machine without it)."""
     import argparse
 
-    try:
-        dev = torch.device(text)
-    except RuntimeError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device ({err})") from None
+    dev = torch.device(device_name_arg(text))
     if dev.type == "cuda" and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise argparse.ArgumentTypeError(f"{text!r}: {why}; use --device cpu")
@@ -352,13 +361,13 @@ def _load_avg() -> list[float] | None:
 
 
 def run_generate(device: str = "cpu", reps: int = 3, quick: bool = False, out: str | None = None,
-                 plot: str | None = None, max_new_tokens: int = 96, threads: int = 1) -> dict:
+                 plot: str | None = None, max_new_tokens: int | None = None, threads: int = 1) -> dict:
     """``specsampler bench generate``: every demo method on the built-in pair at B = 1 and B = 3.
 
     Per method: wall time, the models' forward time, the library's time per step (wall minus
     forward, over the steps), tokens per second and the speedup over plain sampling (medians of
-    ``reps`` interleaved rounds, ``threads`` ATen threads). Prints a table; writes the JSON
-    (``out``) and a PNG (``plot``, needs matplotlib). Returns the report.
+    ``reps`` interleaved rounds, ``threads`` ATen threads), ``max_new_tokens`` per prompt (default 96, 24 with
+    ``quick``). Prints a table; writes the JSON (``out``) and a PNG (``plot``, needs matplotlib). Returns the report.
     """
     from ..generate.modelpair import load_pair
     from ..generate.timing import Method, time_methods
@@ -371,7 +380,7 @@ def run_generate(device: str = "cpu", reps: int = 3, quick: bool = False, out: s
         target, draft, tokenizer = load_pair(device=dev)
         params = SamplingParams(temperature=0.8, top_p=0.95)
         methods = [Method(label, kwargs) for label, kwargs in RUNS]
-        new_tokens = 24 if quick else max_new_tokens
+        new_tokens = max_new_tokens or (24 if quick else 96)
         report = {"benchmark": "generate", "device": device_name(dev), "threads": threads,
                   "model_pair": "built-in (target 1.8M, draft 0.23M parameters, V = 256)",
                   "params": {"temperature": 0.8, "top_p": 0.95}, "max_new_tokens": new_tokens,

@@ -40,6 +40,14 @@ RUNS = [
 NUM_DRAFT_TOKENS, TREE_SHAPE = 4, "2,2,1,1"  # the defaults of --num-draft-tokens and --tree-shape
 
 
+def seed_arg(text: str) -> int:
+    """An argparse ``type``: a Philox seed, an int in [0, 2**63) (int64)."""
+    value = int_at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected an int in [0, 2**63), got {text!r}")
+    return value
+
+
 def int_at_least(low: int):
     """An argparse ``type``: an int >= ``low`` (else a usage error naming the option, not a traceback)."""
 
@@ -96,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="children per node at each depth, e.g. 3,2,1")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="the Philox seed of every request (an int in [0, 2**63))")
     p.add_argument("--device", default="cpu", type=device_arg)
 
 
@@ -119,8 +127,13 @@ def _load(args: argparse.Namespace):
                              "directory)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft).to(args.device).eval()
+    def model(flag: str, path: str):
+        try:
+            return AutoModelForCausalLM.from_pretrained(path).to(args.device).eval()
+        except OSError as err:  # no weights, an unreadable config: a usage error (as a directory it cannot use)
+            raise ValueError(f"{flag}: expected a model directory transformers can load, got {path!r} ({err})") from err
+
+    target, draft = model("--target", args.target), model("--draft", args.draft)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.target)
     except (OSError, ValueError) as err:

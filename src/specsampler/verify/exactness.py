@@ -142,10 +142,16 @@ class MonteCarlo:
     oracle_error: float
 
     def z_score(self) -> float:
-        """Distance of the mean accepted count from the exact expectation, in standard errors."""
-        se = self.accepted.std(ddof=1) / np.sqrt(len(self.accepted))
-        gap = abs(self.accepted.mean() - self.exact.expected_accepted)
-        return 0.0 if gap < 1e-9 else gap / se
+        """Distance of the mean accepted count from the exact expectation, in standard errors of the exact law (its
+        variance from the oracle's sequences, each accepting its length - 1 drafts: a sample of equal counts has no
+        spread of its own to measure it by)."""
+        mean = self.exact.expected_accepted
+        var = sum(pr * (len(seq) - 1) ** 2 for seq, pr in self.exact.sequences.items()) - mean**2
+        gap = abs(self.accepted.mean() - mean)
+        if gap < 1e-9:
+            return 0.0
+        se = np.sqrt(max(var, 0.0) / len(self.accepted))
+        return gap / se if se > 0 else float("inf")
 
 
 def chain_inputs(P: Table, Q: Table, K: int, trials: int, sampled: bool, generator: torch.Generator):
