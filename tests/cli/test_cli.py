@@ -93,7 +93,10 @@ def test_a_model_directory_transformers_cannot_load_is_a_usage_error(tmp_path, c
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["demo", "--top-p", "1.5"], "specsampler demo: error: SamplingParams: SamplingParams.top_p: expected a value in"),
+    (["demo", "--top-p", "1.5"],
+     "specsampler demo: error: argument --top-p: SamplingParams: SamplingParams.top_p: expected a value in"),
+    # after the models had loaded, naming no option
+    (["demo", "--temperature", "nan"], "specsampler demo: error: argument --temperature: SamplingParams: "),
     (["demo", "--device", "gpu"], "specsampler demo: error: argument --device: 'gpu' is not a torch device"),
     (["bench", "--quick", "--device", "tpu:0"], "specsampler bench: error: argument --device: 'tpu:0' is not a torch"),
     (["warmup", "--vocab-size", "256", "--device", "cpu"],
@@ -108,6 +111,9 @@ def test_a_model_directory_transformers_cannot_load_is_a_usage_error(tmp_path, c
 def test_bad_argument_values_are_usage_errors_not_tracebacks(argv, message, capsys, monkeypatch):
     """A value the library rejects (ValueError naming it) ends the command with status 2 and one line, as argparse's
     own errors do; warmup on a device whose ops compile nothing says so (it raised Triton's or CUDA's errors)."""
+    import specsampler.cli.demo as demo
+
+    monkeypatch.setattr(demo, "_load", lambda args: pytest.fail("the models were loaded"))
     monkeypatch.delenv("SPECSAMPLER_BACKEND", raising=False)
     with pytest.raises(SystemExit) as done:
         main(argv)

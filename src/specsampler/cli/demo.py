@@ -197,6 +197,11 @@ def _warm_kernels(target, device: str) -> None:
 def demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     torch.set_num_threads(1)  # models this small gain nothing from more, and timings stay comparable
+    try:  # checked before the models load, the error naming the option
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    except ValueError as err:
+        flag = "--top-p" if "top_p" in str(err) else "--temperature"
+        raise ValueError(f"argument {flag}: {err}") from err
     print("specsampler demo: speculative generation, plain sampling against every verification method")
     target, draft, tokenizer = _load(args)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
@@ -206,7 +211,6 @@ def demo(args: argparse.Namespace) -> int:
     _warm_kernels(target, args.device)
     prompts = args.prompt or PROMPTS
     input_ids, mask = _batch(tokenizer, prompts, args.device)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     methods = [Method(label, kwargs) for label, kwargs in RUNS]
     outputs: dict[str, GenerationOutput] = {}
 
