@@ -123,11 +123,11 @@ def _check_model(op: str, name: str, model) -> None:
 
 
 def _vocabulary(model) -> tuple[int | None, int | None]:
-    """``model``'s vocabulary sizes: its input embeddings' rows and its head's outputs (None where it does not say)."""
+    """``model``'s vocabulary sizes: its input embeddings' rows and its head's outputs (None where it does not say;
+    a quantised head's weight may be packed: its ``out_features`` only)."""
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    return getattr(embed, "num_embeddings", None), weight.shape[0] if isinstance(weight, Tensor) else None
+    return getattr(embed, "num_embeddings", None), getattr(head, "out_features", None)
 
 
 def _check_vocabularies(op: str, target, draft) -> None:
