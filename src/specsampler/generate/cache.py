@@ -65,7 +65,8 @@ def slot_masks(model) -> tuple[int | None, int | None]:
     positions, where the loop keeps slots no request uses). None where there is none."""
     table = window = None
     for buf in model.buffers():
-        if buf.dtype == torch.bool and buf.dim() == 4 and buf.shape[:2] == (1, 1) and buf.shape[2] == buf.shape[3]:
+        if (buf.dtype == torch.bool and buf.dim() == 4 and buf.shape[:2] == (1, 1) and buf.shape[2] == buf.shape[3]
+                and not buf.is_meta):  # an offloaded model's buffers may hold no values here
             M, seen = buf.shape[3], int(buf[0, 0, -1].sum())  # the last query's row: the keys within its window
             table = M if table is None else min(table, M)
             if seen < M:
