@@ -65,7 +65,9 @@ def tree_verification(input_ids: Tensor, output_ids: Tensor, tree_mask: Tensor, 
         ``acc_ids`` int64 ``[B, D+1]``: the target's outputs along the accepted path (the
         accepted drafts then the bonus token), ``-1`` after; ``acc_num`` int64 ``[B]``: nodes
         on the path, the root counted; ``double_input`` int32 ``[B]``: 1 where the last
-        accepted node index is ``>= non_leaf_len``.
+        accepted node index is ``>= non_leaf_len``. (LongSpec's own ``acc_ids`` is ``acc_num.max()`` wide, so unpadded
+        for one request: a caller writing it into a token buffer takes ``acc_ids[:, :acc_num.max()]`` and, for a
+        batch, the ``-1`` padding out.)
     """
     op = "longspec.tree_verification"
     tree = _tree(op, tree_mask)
@@ -125,7 +127,9 @@ def verify_stochastic(input_ids: Tensor, tree_mask: Tensor, p_llm: Tensor, p_ssm
         temperature: float > 0.
     Returns:
         ``acc_ids`` int64 ``[B, D+2]``: the root's token, the accepted drafts and the new
-        token, ``-1`` after; ``acc_num`` int64 ``[B]``: their number (the root counted).
+        token, ``-1`` after; ``acc_num`` int64 ``[B]``: their number (the root counted). (LongSpec's own pads with 0
+        to ``acc_num.max()``: a caller writing into a token buffer takes ``acc_ids[:, :acc_num.max()]`` and the
+        ``-1`` padding out.)
     """
     op = "longspec.verify_stochastic"
     check_rng(op, rng)

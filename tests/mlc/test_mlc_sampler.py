@@ -67,7 +67,7 @@ def test_sample_indices_map_each_result_to_its_row(method):
     assert all(r.sampled_token_id[1] == 1.0 for r in out)
     renorm = Sampler.create_cpu_sampler().batch_renormalize_probs_by_top_p(
         probs, torch.tensor(indices), [f"r{i}" for i in range(7)], [GenerationConfig(top_p=0.9)] * 7)
-    assert torch.equal(renorm, probs[indices])
+    assert torch.equal(renorm, probs)  # every row, read by the same indices (one-hot rows: unchanged)
 
 
 @pytest.mark.parametrize("method", SAMPLE_METHODS)
@@ -141,12 +141,12 @@ def test_before_top_p_equals_after_top_p_on_the_renormalised_rows():
     n, V = 40, 30
     probs = torch.softmax(torch.randn(n, V) * 2, -1)
     cfgs = _random_cfgs(n, 3)
-    idx = torch.randint(0, n, (n,)).tolist()
+    idx = torch.randperm(n).tolist()
     sampler = Sampler.create_cpu_sampler()
     ids = [f"r{i}" for i in range(n)]
     before, _ = _sample(sampler, SAMPLE_METHODS[0], probs, idx, cfgs, range(n))
     renormed = sampler.batch_renormalize_probs_by_top_p(probs, idx, ids, cfgs)
-    after, _ = _sample(sampler, SAMPLE_METHODS[1], renormed, list(range(n)), cfgs, range(n))
+    after, _ = _sample(sampler, SAMPLE_METHODS[1], renormed, idx, cfgs, range(n))  # as MLC's engine reads it
     assert [r.get_token_id() for r in before] == [r.get_token_id() for r in after]
     for r, i in zip(before, idx):
         assert r.sampled_token_id[1] == pytest.approx(float(probs[i, r.get_token_id()]), abs=0)
@@ -167,16 +167,16 @@ def test_renormalize_applies_top_k_top_p_and_min_p_as_the_renorm_ops():
     torch.manual_seed(2)
     n, V = 24, 40
     probs = torch.softmax(torch.randn(n, V) * 2, -1)
-    idx = torch.randint(0, n, (n,))
+    idx = torch.randperm(n)
     sampler = Sampler.create_cpu_sampler()
     ids = [f"r{i}" for i in range(n)]
     top_p = torch.rand(n) * 0.6 + 0.4
     only_p = [GenerationConfig(top_p=float(p)) for p in top_p]
     out = sampler.batch_renormalize_probs_by_top_p(probs, idx, ids, only_p)
     assert out.dtype == torch.float32 and out.shape == (n, V)
-    torch.testing.assert_close(out, ss.top_p_renorm(probs[idx], top_p), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out[idx], ss.top_p_renorm(probs[idx], top_p), atol=1e-6, rtol=1e-5)
     cfgs = _random_cfgs(n, 4)
-    out = sampler.batch_renormalize_probs_by_top_p(probs, idx, ids, cfgs)
+    out = sampler.batch_renormalize_probs_by_top_p(probs, idx, ids, cfgs)[idx]
     params = ss.SamplingParams(temperature=torch.tensor([c.temperature for c in cfgs]),
                                top_k=torch.tensor([c.top_k for c in cfgs]),
                                top_p=torch.tensor([c.top_p for c in cfgs]),
@@ -395,11 +395,11 @@ def _all_methods(sampler, probs, draft_probs):
     """Every method of a sampler on fixed inputs (fresh generators); returns the results."""
     cfgs = _random_cfgs(6, 7)
     ids = [f"r{i}" for i in range(6)]
-    idx = [5, 0, 0, 3, 2, 4]
+    idx = [5, 0, 1, 3, 2, 4]
     rngs = lambda: [RandomGenerator(i) for i in range(6)]
     renorm = sampler.batch_renormalize_probs_by_top_p(probs, idx, ids, cfgs)
     before = sampler.batch_sample_tokens_with_prob_before_top_p(probs, idx, ids, cfgs, rngs())
-    after = sampler.batch_sample_tokens_with_prob_after_top_p(renorm, list(range(6)), ids, cfgs, rngs())
+    after = sampler.batch_sample_tokens_with_prob_after_top_p(renorm, idx, ids, cfgs, rngs())
     shapes = [[-1, 0, 1], [-1], [-1, 0, 0, 1, 1], [-1, 0, 0]]
     _, cum, parents, drafts, _ = _requests(shapes, probs.shape[1], seed=8)
     verified = sampler.batch_verify_draft_tokens_with_prob_after_top_p(
@@ -650,7 +650,7 @@ def test_inputs_are_not_modified_and_empty_batches_work():
     sampler.batch_sample_tokens_with_prob_before_top_p(probs, [0, 1], ["a", "b"], cfgs[:2],
                                                        [RandomGenerator(0), RandomGenerator(1)])
     assert torch.equal(before[0], probs) and torch.equal(before[1], q)
-    assert sampler.batch_renormalize_probs_by_top_p(probs, [], [], []).shape == (0, 6)
+    assert torch.equal(sampler.batch_renormalize_probs_by_top_p(probs, [], [], []), probs)
     assert sampler.batch_sample_tokens_with_prob_before_top_p(probs, [], [], [], []) == []
     assert sampler.batch_verify_draft_tokens_with_prob_after_top_p(
         probs[:0], [], [0], [], [], [], [], probs[:0]) == ([], [])
@@ -671,3 +671,25 @@ def test_full_validation_checks_the_probability_values():
         sampler.batch_verify_draft_tokens_with_prob_after_top_p(
             probs.fill_(0.25), ["a"], [0, 3], cfgs[:1], rngs[:1], [[SampleResult((1, 0.1))] * 2], [-1, 0, 1], q,
             validate="full")
+
+
+def test_renormalize_returns_every_row_as_mlcs_engine_reads_it():
+    # the rows of the samples only were returned: MLC's EAGLE and Medusa verification (sample_indices = one row per
+    # request, then every draft node's row read by the verification) failed on a row count
+    from specsampler.mlc import SampleResult
+
+    torch.manual_seed(0)
+    V = 5
+    probs, q = torch.softmax(torch.randn(6, V), -1), torch.softmax(torch.randn(6, V), -1)
+    cfgs, ids = [GenerationConfig(top_p=0.9)] * 2, ["r0", "r1"]
+    drafts = [[SampleResult((1, 0.2)), SampleResult((2, 0.2))], [SampleResult((3, 0.2)), SampleResult((0, 0.2))]]
+    for sampler in (Sampler.create_cpu_sampler(), Sampler.create_gpu_sampler(64, V, "cpu")):
+        renorm = sampler.batch_renormalize_probs_by_top_p(probs, [0, 1], ids, cfgs)
+        assert renorm.shape == probs.shape and torch.equal(renorm[2:], probs[2:])
+        torch.testing.assert_close(renorm[:2], ss.top_p_renorm(probs[:2], 0.9))
+        results, _ = sampler.batch_verify_draft_tokens_with_prob_after_top_p(
+            renorm, ids, [0, 3, 6], cfgs, [RandomGenerator(1), RandomGenerator(2)], drafts, [-1, 0, 1, -1, 0, 1], q)
+        assert [len(r) for r in results] != [] and all(0 <= s.get_token_id() < V for r in results for s in r)
+    with pytest.raises(ValueError, match=r"generation_cfg\[1\]: expected the config of the other samples of row 0"):
+        Sampler.create_cpu_sampler().batch_renormalize_probs_by_top_p(
+            probs, [0, 0], ids, [GenerationConfig(top_p=0.9), GenerationConfig(top_p=0.5)])

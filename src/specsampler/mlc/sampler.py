@@ -166,7 +166,8 @@ class Sampler:
                 path can be tested on the CPU (``"cpu"``); an engine creates it where
                 :meth:`supports_gpu_sampler` says so.
             trace_recorder: ``None`` or an :class:`EventTraceRecorder`.
-        Calls with more samples or columns raise ``ValueError`` (:class:`~specsampler.ValidationError`).
+        Calls with more samples or columns raise ``ValueError`` (:class:`~specsampler.ValidationError`); MLC's GPU
+        sampler draws more samples than ``max_num_sample`` in chunks: give the most a call takes.
         """
         op = "Sampler.create_gpu_sampler"
         for name, v in (("max_num_sample", max_num_sample), ("vocab_size", vocab_size)):
@@ -244,13 +245,17 @@ class Sampler:
     def batch_renormalize_probs_by_top_p(self, probs: Tensor, sample_indices: Sequence[int],
                                          request_ids: Sequence[str], generation_cfg: Sequence[GenerationConfig],
                                          *, validate: str = "structure") -> Tensor:
-        """The filtered distributions: row i is row ``sample_indices[i]`` of ``probs`` under ``generation_cfg[i]``.
+        """``probs`` with each row ``sample_indices[i]`` filtered by ``generation_cfg[i]``, as MLC returns them: all
+        ``R`` rows, the others as given, so that the engine reads the result by the same ``sample_indices`` (or, in
+        its verification, by every draft node's row).
 
         Each config's top-k, top-p and min-p are applied in docs/design.md's order (top-p on the
         top-k-renormalised distribution, then min-p) and the row renormalised; greedy configs
-        (``temperature < 1e-5``) give a one-hot row at the argmax (ties to the lower id).
-        MLC's engine calls this with ``sample_indices = [0, 1, ..., n-1]``; in general output
-        row i corresponds to input row ``sample_indices[i]`` (rows may repeat or be left out).
+        (``temperature < 1e-5``) give a one-hot row at the argmax (ties to the lower id). Top-p keeps the
+        shortest prefix of the (probability desc, id asc) order reaching ``top_p`` of the row's exact mass (the
+        library's rule: MLC keeps every token tied with the last and reaches ``top_p - 1e-5``). A row listed
+        more than once is filtered once (MLC's GPU sampler; its CPU one filters it again for each): its samples
+        must share one config.
 
         Args:
             probs: float ``[R, V]``, the distributions (after the logit processor).
@@ -258,15 +263,26 @@ class Sampler:
             request_ids: n strs, the request of each sample (for the trace).
             generation_cfg: n :class:`GenerationConfig`.
         Returns:
-            float32 ``[n, V]``, a new tensor on the sampler's device (the CPU for the CPU sampler).
+            float32 ``[R, V]``, a new tensor on the sampler's device (the CPU for the CPU sampler); ``probs`` is
+            not modified (MLC's CPU sampler writes the filtered rows into it).
         """
         name = "batch_renormalize_probs_by_top_p"
         op = f"Sampler.{name}"
         check_mode(op, validate)
         probs = self._probs(op, "probs", probs)
         idx, request_ids, cfgs = self._samples(op, probs, sample_indices, request_ids, generation_cfg)
+        config_of: dict[int, GenerationConfig] = {}
+        for i, (row, cfg) in enumerate(zip(idx.tolist(), cfgs)):
+            if config_of.setdefault(row, cfg) != cfg:
+                fail(op, f"generation_cfg[{i}]", f"the config of the other samples of row {row} (a row is filtered "
+                     "once)", cfg, request=i)
+        rows = list(config_of)
         with self._traced(name, request_ids):
-            return _filter(probs[idx.to(probs.device)].float(), cfgs, validate)
+            out = probs.to(torch.float32, copy=True)
+            if rows:
+                at = torch.tensor(rows, dtype=torch.int64, device=probs.device)
+                out[at] = _filter(out[at], list(config_of.values()), validate)
+            return out
 
     def batch_sample_tokens_with_prob_before_top_p(
         self, probs: Tensor, sample_indices: Sequence[int], request_ids: Sequence[str],
