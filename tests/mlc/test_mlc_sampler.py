@@ -439,8 +439,12 @@ def test_cpu_sampler_moves_inputs_to_the_cpu_and_gpu_sampler_checks_its_limits()
     out = Sampler.create_cpu_sampler().batch_renormalize_probs_by_top_p(probs.double(), [0, 1, 2], ids, cfgs)
     assert out.dtype == torch.float32 and out.device.type == "cpu"
     small = Sampler.create_gpu_sampler(2, 8, "cpu")
-    with pytest.raises(ValueError, match=r"sample_indices: expected at most max_num_sample = 2 samples, got 3"):
-        small.batch_renormalize_probs_by_top_p(probs, [0, 1, 2], ids, cfgs)
+    with pytest.raises(ValueError, match=r"probs: expected at most max_num_sample = 2 rows, got 4 rows"):
+        small.batch_renormalize_probs_by_top_p(probs, [0, 1], ids[:2], cfgs[:2])
+    # more samples than max_num_sample: MLC's GPU sampler draws them in chunks (they were refused)
+    drawn = small.batch_sample_tokens_with_prob_after_top_p(probs, [0, 1, 2], ids, cfgs,
+                                                            [RandomGenerator(i) for i in range(3)])
+    assert len(drawn) == 3 and all(0 <= r.get_token_id() < 8 for r in drawn)
     with pytest.raises(ValueError, match=r"probs: expected at most vocab_size = 4 columns, got \[4, 8\]"):
         Sampler.create_gpu_sampler(8, 4, "cpu").batch_renormalize_probs_by_top_p(probs, [0], ["a"], cfgs[:1])
     with pytest.raises(ValueError, match=r"cum_verify_lengths: expected at most max_num_sample = 2 nodes"):

@@ -159,15 +159,15 @@ class Sampler:
         """A sampler whose inputs, work and tensor outputs stay on ``device``.
 
         Args:
-            max_num_sample: ``>= 1``: the most samples of a call (``len(sample_indices)``), or
-                draft-tree nodes of a verification call (``cum_verify_lengths[-1]``).
+            max_num_sample: ``>= 1``: the most rows of ``probs`` a renormalisation takes, or draft-tree nodes a
+                verification call (``cum_verify_lengths[-1]``), as MLC's GPU sampler; a sampling call takes any
+                number of samples (MLC's draws them in chunks of that many).
             vocab_size: ``>= 1``: the most columns ``V`` of the probabilities.
             device: a ``torch.device`` or a device string. Any device is accepted, so the GPU
                 path can be tested on the CPU (``"cpu"``); an engine creates it where
                 :meth:`supports_gpu_sampler` says so.
             trace_recorder: ``None`` or an :class:`EventTraceRecorder`.
-        Calls with more samples or columns raise ``ValueError`` (:class:`~specsampler.ValidationError`); MLC's GPU
-        sampler draws more samples than ``max_num_sample`` in chunks: give the most a call takes.
+        Calls past those limits, or with more columns, raise ``ValueError`` (:class:`~specsampler.ValidationError`).
         """
         op = "Sampler.create_gpu_sampler"
         for name, v in (("max_num_sample", max_num_sample), ("vocab_size", vocab_size)):
@@ -223,7 +223,6 @@ class Sampler:
         if bad.numel():
             i = int(bad[0, 0])
             fail(op, f"sample_indices[{i}]", f"a row index of probs in [0, {rows})", int(idx[i]), request=i)
-        self._check_capacity(op, "sample_indices", n, "samples")
         request_ids = _checked_list(op, "request_ids", request_ids, n, "one per sample", str)
         cfgs = _checked_list(op, "generation_cfg", generation_cfg, n, "one per sample", GenerationConfig)
         return idx, request_ids, cfgs
@@ -270,6 +269,7 @@ class Sampler:
         op = f"Sampler.{name}"
         check_mode(op, validate)
         probs = self._probs(op, "probs", probs)
+        self._check_capacity(op, "probs", probs.shape[0], "rows")  # MLC's GPU sampler renormalises them all
         idx, request_ids, cfgs = self._samples(op, probs, sample_indices, request_ids, generation_cfg)
         config_of: dict[int, GenerationConfig] = {}
         for i, (row, cfg) in enumerate(zip(idx.tolist(), cfgs)):
