@@ -382,6 +382,13 @@ def test_deterministic_tree_wider_than_the_vocabulary_leaves_the_missing_childre
             assert out.lengths.tolist() == [8, 8] and int(out.tokens.min()) >= 0 and int(out.tokens.max()) < V
 
 
+def _each_named(runs, message: str) -> None:
+    """Each ``(name, call)`` of ``runs`` raises a ValueError matching ``message`` with its ``{name}``."""
+    for name, run in runs:
+        with pytest.raises(ValueError, match=message.replace("{name}", name)):
+            run()
+
+
 def _sliding(config_class, **window):
     torch.manual_seed(0)
     cfg = config_class(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -422,9 +429,7 @@ def test_a_target_sliding_beside_full_layers_is_named_past_its_window():
     past = [("target", lambda: speculative_generate(mixed, mixed, prompt, 9, GREEDY)),
             ("target", lambda: speculative_generate(mixed, None, prompt, 9, GREEDY, drafter="ngram")),
             ("model", lambda: generate(mixed, prompt, 9, GREEDY))]
-    for name, run in past:
-        with pytest.raises(ValueError, match=f": {name}: expected attention over the 13 positions"):
-            run()
+    _each_named(past, ": {name}: expected attention over the 13 positions")
 
 
 def test_drafts_past_max_new_tokens_stay_inside_the_position_table():
@@ -480,9 +485,7 @@ def test_models_the_loop_cannot_score_as_they_score_themselves_are_named_before_
             ("target", lambda: speculative_generate(model, None, prompt, 6, GREEDY, drafter="ngram")),
             ("draft", lambda: speculative_generate(target, model, prompt, 6, GREEDY, drafter="tree")),
             ("model", lambda: generate(model, prompt, 6, GREEDY))]
-    for name, run in runs:
-        with pytest.raises(ValueError, match=f": {name}: expected a causal LM of attention layers .*, with {why}"):
-            run()
+    _each_named(runs, ": {name}: expected a causal LM of attention layers .*, with " + why)
 
 
 def test_a_model_masking_by_cache_slot_gives_its_own_tokens_or_is_named():
@@ -516,12 +519,11 @@ def test_positions_past_a_learned_table_are_named():
         opt, prompt, 9)  # positions 0 .. 15
     long = _tiny("LlamaConfig", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, max_position_embeddings=64)
-    for name, run in (("model", lambda: generate(opt, prompt, 10, GREEDY)),
-                      ("target", lambda: speculative_generate(opt, None, prompt, 10, GREEDY, drafter="ngram")),
-                      ("draft", lambda: speculative_generate(long, opt, prompt, 12, GREEDY))):
-        with pytest.raises(ValueError, match=f": {name}: expected a model that embeds every position the generation "
-                                             r"feeds .*, got an IndexError at positions up to 1[6-9]"):
-            run()
+    _each_named([("model", lambda: generate(opt, prompt, 10, GREEDY)),
+                 ("target", lambda: speculative_generate(opt, None, prompt, 10, GREEDY, drafter="ngram")),
+                 ("draft", lambda: speculative_generate(long, opt, prompt, 12, GREEDY))],
+                ": {name}: expected a model that embeds every position the generation feeds .*, got an IndexError at "
+                "positions up to 1[6-9]")
 
 
 def test_wrong_length_params_are_named_by_their_argument(pair):
