@@ -40,6 +40,21 @@ RUNS = [
 NUM_DRAFT_TOKENS, TREE_SHAPE = 4, "2,2,1,1"  # the defaults of --num-draft-tokens and --tree-shape
 
 
+def sampling_arg(name: str):
+    """An argparse ``type``: a float that :class:`SamplingParams` takes as ``name`` (its error, a usage error naming the
+    option before the models load)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+            SamplingParams(**{name: value})
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+    return parse
+
+
 def seed_arg(text: str) -> int:
     """An argparse ``type``: a Philox seed, an int in [0, 2**63) (int64)."""
     value = int_at_least(0)(text)
@@ -102,8 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=positive_int, default=NUM_DRAFT_TOKENS, help="chain length")
     p.add_argument("--tree-shape", type=tree_shape_arg, default=TREE_SHAPE,
                    help="children per node at each depth, e.g. 3,2,1")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--temperature", type=sampling_arg("temperature"), default=0.8)
+    p.add_argument("--top-p", type=sampling_arg("top_p"), default=0.95)
     p.add_argument("--seed", type=seed_arg, default=0, help="the Philox seed of every request (an int in [0, 2**63))")
     p.add_argument("--device", default="cpu", type=device_arg)
 
@@ -197,11 +212,7 @@ def _warm_kernels(target, device: str) -> None:
 def demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     torch.set_num_threads(1)  # models this small gain nothing from more, and timings stay comparable
-    try:  # checked before the models load, the error naming the option
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    except ValueError as err:
-        flag = "--top-p" if "top_p" in str(err) else "--temperature"
-        raise ValueError(f"argument {flag}: {err}") from err
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)  # each value checked by its option
     print("specsampler demo: speculative generation, plain sampling against every verification method")
     target, draft, tokenizer = _load(args)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
