@@ -693,7 +693,7 @@ def test_renormalize_returns_every_row_as_mlcs_engine_reads_it():
         torch.testing.assert_close(renorm[:2], ss.top_p_renorm(probs[:2], 0.9))
         results, _ = sampler.batch_verify_draft_tokens_with_prob_after_top_p(
             renorm, ids, [0, 3, 6], cfgs, [RandomGenerator(1), RandomGenerator(2)], drafts, [-1, 0, 1, -1, 0, 1], q)
-        assert [len(r) for r in results] != [] and all(0 <= s.get_token_id() < V for r in results for s in r)
+        assert len(results) == 2 and all(0 <= s.get_token_id() < V for r in results for s in r)
     with pytest.raises(ValueError, match=r"generation_cfg\[1\]: expected the config of the other samples of row 0"):
         Sampler.create_cpu_sampler().batch_renormalize_probs_by_top_p(
             probs, [0, 0], ids, [GenerationConfig(top_p=0.9), GenerationConfig(top_p=0.5)])
