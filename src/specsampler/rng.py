@@ -59,12 +59,16 @@ class Philox:
         )
 
 
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
+
+
 @dataclass(frozen=True)
 class Uniforms:
-    """The caller's uniforms in [0, 1), used as given (NaN read as 0), laid out as the Philox counters are
-    (docs/design.md, "Randomness"): ``sample`` float ``[B, n]`` the draws and corrections (``STREAM_SAMPLE``),
-    ``accept`` float ``[B, n]`` the acceptance tests (``STREAM_ACCEPT``; chain draft i at index i + 1); ``n`` at
-    least the indices the op reads (K + 1 for a chain, N for a tree). None for a stream the op does not read."""
+    """The caller's uniforms in [0, 1), used as given (NaN read as 0, values outside [0, 1) as the nearer end), laid
+    out as the Philox counters are (docs/design.md, "Randomness"): ``sample`` float ``[B, n]`` the draws and
+    corrections (``STREAM_SAMPLE``), ``accept`` float ``[B, n]`` the acceptance tests (``STREAM_ACCEPT``; chain draft
+    i at index i + 1); ``n`` at least the indices the op reads (K + 1 for a chain, N for a tree). None for a stream
+    the op does not read."""
 
     sample: Tensor | None = None
     accept: Tensor | None = None
@@ -78,8 +82,8 @@ class Uniforms:
         if t.shape[0] != batch or t.shape[1] < count:
             fail(op, name, f"shape [B = {batch}, >= {count}]", f"shape {list(t.shape)}")
         check_host_or(op, name, t, device)
-        # NaN read as 0, so that a draw lands on a token (values outside [0, 1) act as the nearer end: the draws clamp)
-        return torch.nan_to_num(t[:, :count].to(device=device, dtype=torch.float32), nan=0.0)
+        # NaN read as 0 and values outside [0, 1) as the nearer end, for the acceptance tests as for the draws
+        return torch.nan_to_num(t[:, :count].to(device=device, dtype=torch.float32), nan=0.0).clamp_(0.0, _BELOW_ONE)
 
 
 def _per_request(op: str, name: str, v: int | Tensor, batch: int, device: torch.device) -> Tensor:

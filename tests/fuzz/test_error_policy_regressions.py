@@ -290,3 +290,92 @@ def test_main_inputs_without_values_are_named(op, name, call):
     with pytest.raises(ss.ValidationError, match=rf"^{op}: {name}: expected a tensor holding values, got a tensor "
                                                  r"on the 'meta' device"):
         call(torch.device("meta"))
+
+
+def _zero_at_3(shape: tuple[int, ...]) -> torch.Tensor:
+    """Target rows of 4 tokens where token 3 has probability 0 (token 1 holds the mass)."""
+    p = torch.zeros(*shape, 4)
+    p[..., 1] = 1.0
+    return p
+
+
+_PATH = ss.TokenTree.from_parents(torch.tensor([[-1, 0]]))  # a root and one child
+
+
+@pytest.mark.parametrize("q_x", [-0.5, float("-inf")])
+def test_a_draft_of_target_probability_zero_is_never_accepted_whatever_its_draft_probability(backend, q_x):
+    """A negative draft probability (not checked by default) passed ``u q(x) < p(x)`` at p(x) = 0: token and rrs
+    accepted a draft the target never samples (the correction then comes from a residual of such garbage)."""
+    q = torch.full((1, 1, 4), 0.25)
+    q[..., 3] = q_x
+    for seed in range(8):
+        out = ss.verify_chain(_zero_at_3((1, 2)), torch.tensor([[3]]), q, method="token", rng=ss.Philox(seed))
+        assert out.num_accepted.tolist() == [0]
+        for sampling in ("iid", "without_replacement"):
+            res = ss.verify_tree(_zero_at_3((1, 2)), torch.tensor([[0, 3]]), _PATH, q.expand(1, 2, 4), method="rrs",
+                                 draft_sampling=sampling, rng=ss.Philox(seed))
+            assert res.num_accepted.tolist() == [0]
+
+
+@pytest.mark.parametrize("method", ["token", "block", "rrs", "traversal"])
+def test_uniforms_outside_the_unit_interval_act_as_the_nearer_end(backend, method):
+    """Acceptance uniforms were used as given: -1 accepted a draft of target probability 0, 2 rejected drafts that
+    the nearer end (just below 1) accepts. They read as 0 and as the largest float32 below 1, as the draws do."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(4, 3, 6, generator=g), -1)
+    p[0, 0, 3] = 0.0
+    q = torch.softmax(torch.randn(4, 3, 6, generator=g), -1)
+    x = torch.randint(0, 6, (4, 2), generator=g)
+    x[0, 0] = 3
+    below_one = 1.0 - 2.0**-24
+
+    def run(accept: float, sample: float):
+        rng = ss.Uniforms(sample=torch.full((4, 3), sample), accept=torch.full((4, 3), accept))
+        if method in ("token", "block"):
+            return ss.verify_chain(p, x, q[:, :2], method=method, rng=rng).tokens.tolist()
+        tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 0]] * 4))
+        return ss.verify_tree(p, torch.cat([x[:, :1], x], 1), tree, q, method=method, rng=rng).tokens.tolist()
+
+    for outside, end in ((-1.0, 0.0), (2.0, below_one), (float("inf"), below_one), (float("-inf"), 0.0)):
+        assert run(outside, 0.5) == run(end, 0.5), (outside, end)
+        assert run(0.5, outside) == run(0.5, end), (outside, end)
+    assert run(-1.0, 0.5)[0][0] != 3
+
+
+@pytest.mark.parametrize("row", ["zero", "nan", "masked"])
+def test_target_only_accepts_no_draft_at_a_row_without_mass(backend, row):
+    """A row without mass draws token 0; a draft 0 there, of target probability 0, was accepted and the walk went
+    on (chains and trees, from probabilities and logits). Now the draw is the emitted token."""
+    V = 5
+    probs = torch.softmax(torch.randn(2, 3, V, generator=torch.Generator().manual_seed(4)), -1)
+    logits = probs.log()
+    mask = torch.ones(2, 3, V, dtype=torch.bool)
+    if row == "zero":
+        probs[:, 0] = 0.0
+        logits[:, 0] = float("-inf")
+    elif row == "nan":  # a NaN logit leaves its row without mass (a NaN probability is read as 0)
+        logits[:, 0, 2] = float("nan")
+    else:
+        mask[:, 0] = False
+    x = torch.zeros(2, 2, dtype=torch.int64)
+    tree = ss.TokenTree.from_parents(torch.tensor([[-1, 0, 1]] * 2))
+    results = [ss.verify_chain_from_logits(logits, x, vocab_mask=mask, method="target_only", rng=ss.Philox(0)),
+               ss.verify_tree_from_logits(logits, torch.zeros(2, 3, dtype=torch.int64), tree, vocab_mask=mask,
+                                          method="target_only", rng=ss.Philox(0))]
+    if row == "zero":
+        results += [ss.verify_chain(probs, x, method="target_only", rng=ss.Philox(0)),
+                    ss.verify_tree(probs, torch.zeros(2, 3, dtype=torch.int64), tree, method="target_only",
+                                   rng=ss.Philox(0))]
+    for res in results:
+        assert res.num_accepted.tolist() == [0, 0]
+        assert res.tokens[:, 0].tolist() == [0, 0] and (res.tokens[:, 1:] == -1).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_probability_takes_no_top_k_place(bad):
+    """NaN and +inf probabilities are read as weight 0, but they led the top-k order and took one of the k places:
+    ``top_k_renorm([[0.2, nan, 0.3, 0.5]], 2)`` kept token 3 alone."""
+    probs = torch.tensor([[0.2, bad, 0.3, 0.5], [0.2, 0.0, 0.3, 0.5]])
+    out = ss.top_k_renorm(probs, 2)
+    assert torch.equal(out[0], out[1]) and out[1].tolist() == [0.0, 0.0, 0.375, 0.625]
+    assert ss.top_k_renorm(probs, 3)[0].tolist() == ss.top_k_renorm(probs, 3)[1].tolist()

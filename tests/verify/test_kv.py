@@ -26,6 +26,15 @@ def test_accepted_path_entries_move_after_the_committed_cache():
     assert torch.equal(cache[0, :, 7], expected[0, :, 10 - 5 + 2])  # the node-5 entry is now at 5 + 2
 
 
+def test_a_cache_that_requires_grad_is_compacted_in_place():
+    # every op runs under no_grad: the in-place moves raised torch's RuntimeError on a leaf that requires grad
+    cache = torch.randn(2, 1, 6, 3, requires_grad=True)
+    cache_lens, path, n = torch.tensor([1, 0]), torch.tensor([[0, 2], [0, 3]]), torch.tensor([1, 1])
+    expected = _expected(cache.detach(), cache_lens, path, n)
+    ss.compact_kv(cache, cache_lens, path, n)
+    assert torch.equal(cache.detach(), expected)
+
+
 def test_lists_of_layers_and_sequence_first_layouts():
     torch.manual_seed(1)
     B, S = 2, 12

@@ -53,3 +53,13 @@ def use_triton(device: torch.device) -> bool:
         raise ValueError(f"SPECSAMPLER_BACKEND=triton: expected CUDA tensors, or TRITON_INTERPRET=1 to run the "
                          f"kernels in the Triton interpreter, got tensors on {device} without it")
     return True
+
+
+_MAIN = ("probs", "logits", "target_probs", "target_logits")  # the public ops' first arguments
+
+
+def runs_kernel(*args, **kwargs) -> bool:
+    """Whether a public op with a kernel runs it, given its arguments: :func:`use_triton` of its main tensor's device
+    (the first argument, positional or by name)."""
+    main = args[0] if args else next((kwargs[k] for k in _MAIN if k in kwargs), None)
+    return isinstance(main, torch.Tensor) and use_triton(main.device)

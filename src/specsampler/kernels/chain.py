@@ -308,7 +308,8 @@ def _token_walk(target, draft_probs, draft_tokens_row, kb, randomness, req, rows
             x = _draft(draft_tokens_row, n, kb, V)
             p_x = _prob_at(at, d, x, V, FROM_LOGITS, HAS_MASK)
             q_x = tl.load(at[2] + x, mask=x >= 0, other=0.0).to(tl.float32)
-            accept = (x >= 0) & (uniform(randomness, req, n + 1, ACCEPT) * q_x < p_x)
+            # p(x) = 0: never, whatever q(x) says (a negative one passes the comparison)
+            accept = (x >= 0) & (uniform(randomness, req, n + 1, ACCEPT) * q_x < p_x) & (p_x > 0.0)
         n += accept.to(tl.int32)
         go = accept
     at = _position(target, draft_probs, rows, b, n, FROM_LOGITS, HAS_MASK, True)
@@ -399,15 +400,16 @@ def _target_only_walk(target, draft_tokens_row, kb, randomness, req, rows, descr
             r = b * (K + 1) + n
             d = _descriptor(at, rows, described, b, r, V, FROM_LOGITS, DESCRIBED, HAS_MASK, ROWS)
             fscratch_row, _ = scratch_rows(rows, r if DESCRIBED else b, ROWS)  # where the chunk masses are
-            drawn, _ = draw_from(u, d, at[0], at[1], V, fscratch_row, HAS_MASK, ROWS)
+            drawn, w_y = draw_from(u, d, at[0], at[1], V, fscratch_row, HAS_MASK, ROWS)
             y = drawn.to(tl.int32)
-            accept = y == x
+            accept = (y == x) & (w_y > 0.0)  # a row without mass draws 0, of target probability 0
         else:
             total, last, below_x, cum_x, pos_x = _prob_scan(at[0], at[0], 1.0, n < 0, x, V, False, True, BLOCK_V)
             t = u * total
             # _prob_search at t gives the first positive id past t, else `last`: it is x when x is positive,
-            # no earlier positive id is past t, and x is past t or the last; x = 0 for a row without mass
-            drawn_x = (below_x <= t) & ((pos_x & ((cum_x > t) | (x == last))) | ((total <= 0.0) & (x == 0)))
+            # no earlier positive id is past t, and x is past t or the last (a row without mass draws 0, of target
+            # probability 0: never the draft)
+            drawn_x = (below_x <= t) & pos_x & ((cum_x > t) | (x == last))
             accept = (x >= 0) & drawn_x
             if ~accept:
                 y = _prob_search(at[0], at[0], 1.0, n < 0, V, t, last, False, BLOCK_V)

@@ -210,11 +210,13 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
     walking = n == 0
     while walking:
         row, vocab_mask_row = _node_rows(target, rows, b, v, FROM_LOGITS, HAS_MASK)
+        has_mass = walking  # a row without mass draws 0, of target probability 0: no child carrying it is accepted
         if not FROM_LOGITS:
             if GREEDY:
                 y = argmax(row, V, BLOCK_V).to(tl.int64)
             else:
                 y = _invert(row, row, 0, 1.0, uniform(randomness, keys, v, SAMPLE), V, BLOCK_V)
+                has_mass = tl.load(row + y).to(tl.float32) > 0.0
         else:
             fscratch_row, iscratch_row = scratch_rows(rows, b, ROWS)
             if GREEDY:
@@ -223,10 +225,11 @@ def _draws_walk(target, rows, randomness, keys, b, x_b, fc_b, ns_b, slots, N, V,
                 y = arg.to(tl.int64)
             else:
                 d = describe(rows, b * N + v, row, vocab_mask_row, V, fscratch_row, iscratch_row, HAS_MASK, ROWS)
-                token, _ = draw_from(uniform(randomness, keys, v, SAMPLE), d, row, vocab_mask_row, V,
-                                     fscratch_row, HAS_MASK, ROWS)
+                token, w_y = draw_from(uniform(randomness, keys, v, SAMPLE), d, row, vocab_mask_row, V,
+                                       fscratch_row, HAS_MASK, ROWS)
                 y = token.to(tl.int64)
-        found = _child_with(x_b, ns_b, tl.load(fc_b + v), y)
+                has_mass = w_y > 0.0
+        found = tl.where(has_mass, _child_with(x_b, ns_b, tl.load(fc_b + v), y), -1)
         walking = found >= 0
         if walking:
             n += 1
@@ -293,7 +296,7 @@ def _rrs_walk(target, draft_probs, rows, randomness, keys, b, x_b, fc_b, ns_b, s
                 r_x = _target(target_row, vocab_mask_row, scratch + r_buf * V, r_held, r_div, xc, V, m, inv_t, tau,
                               cut, w_min, z, FROM_LOGITS, HAS_MASK)
             u = uniform(randomness, keys, kid, ACCEPT)
-            if inside & (u * q_x < r_x):
+            if inside & (u * q_x < r_x) & (r_x > 0.0):  # r(x) = 0: never, whatever q(x) says
                 chosen = kid
             else:  # r = norm(max(r - q, 0)) (unchanged without mass); without replacement q loses x
                 tl.debug_barrier()  # every thread has read r(x_c), q(x_c) before q is rewritten in place

@@ -146,7 +146,7 @@ def _approx_histogram(x: Tensor, c: Tensor, top: Tensor) -> list[Tensor]:
     float32 ``[r, 128]``, an estimate, on bins every rank shares: ``floor(4 * x * c)`` counted down from that of the
     maximum (int64 ``[r]``); and ``top * c`` (float32 ``[r]``) to rescale it to the global maximum."""
     r = x.shape[0]
-    xc, tc = x * c, top * c[:, 0]  # as filters._weights computes them
+    xc, tc = x * c, top * c[:, 0]  # bins every rank computes alike (an estimate: not filters._weights' weights)
     top_bin = torch.floor(tc * PER_OCTAVE)
     below = torch.mul(xc, PER_OCTAVE).floor_()
     # bins below the maximum's; past the last (far below, -inf, NaN) into one more, dropped

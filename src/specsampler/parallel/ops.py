@@ -10,6 +10,8 @@ one-device op. ``auto`` picks the cheaper by a latency-bandwidth model of the li
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -246,7 +248,10 @@ def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params
     x = _masked(target_logits, vocab_mask)
     c = _chain.ChainInputs(B, K, V, "greedy" if greedy else method, drafts, n_max, q)
     if greedy:
-        return _chain.verify_greedy(c, shard_argmax(x, shard)[0])
+        ids, mass = shard_argmax(x, shard)
+        if method == "target_only":  # as the one-device op: a row without mass accepts no draft (greedy: its argmax)
+            c = replace(c, given_usable=c.usable & mass.view(B, K1)[:, :K])
+        return _chain.verify_greedy(c, ids)
     u_draw = uniform(rng, op, B, K1, STREAM_SAMPLE, dev)
     u_accept = uniform(rng, op, B, K1, STREAM_ACCEPT, dev) if method in ("token", "block") else None
     if B == 0:
@@ -322,7 +327,11 @@ def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: T
     x = _masked(target_logits, vocab_mask)
     c = _walks.TreeInputs(B, N, V, "greedy" if greedy else method, draft_sampling, tree, drafts, q)
     if greedy:
-        path, n, y_out = _walks.walk_draws(c, _Argmaxes(shard_argmax(x, shard)[0]), None, op)
+        ids, mass = shard_argmax(x, shard)
+        if method == "target_only":  # as the one-device op: a node without mass accepts no child (greedy: any)
+            mass = mass.view(B, N)
+            c = replace(c, given_usable=c.usable & mass.gather(1, tree.parents.clamp(min=0)))
+        path, n, y_out = _walks.walk_draws(c, _Argmaxes(ids), None, op)
         return _tree._finish(c, path, n, y_out, n.float() if method == "greedy" else None)  # as the one-device op
     u_draw = uniform(rng, op, B, N, STREAM_SAMPLE, dev)
     u_accept = uniform(rng, op, B, N, STREAM_ACCEPT, dev) if method in ("rrs", "traversal") else None

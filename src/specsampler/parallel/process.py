@@ -3,7 +3,7 @@ distributions, equal value for value to :func:`specsampler.sampling.processing.p
 probabilities at some global ids on every rank.
 
 Every decision rests on quantities the split does not change: the row maximum (an order key, :mod:`.argmax`),
-elementwise weights ``exp2(x * c - m * c)`` computed as on one device, exact fixed-point masses
+elementwise weights ``exp2((x - m) * c)`` computed as on one device, exact fixed-point masses
 (:mod:`specsampler.sampling.masses`). Rows of each kind run side by side, sharing rounds (docs/design.md,
 "Vocab-parallel"):
 - greedy and top-k rows (1 round): each rank's best candidates, gathered; the one-device filters then run on them,

@@ -55,7 +55,7 @@ def verify_chain(c: ChainInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_
     p_x = target.read.view(B, K)
     if c.method == "target_only":
         draws = (yield from sample(target, u_draw.reshape(-1), 0, shard))[0].view(B, K + 1)
-        n = _leading_run((draws[:, :K] == c.x) & c.usable)
+        n = _leading_run((draws[:, :K] == c.x) & (p_x > 0) & c.usable)  # as the one-device op: no draft of p 0
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: expected_of(c, p_x, None))
     q_x, bad = q_read[0][0].view(B, K), q_read[1]
     got = yield from _held_chain(c, target, p_x, q_x, bad, u_draw, u_accept, shard, link)  # rows held, or gathered
@@ -160,10 +160,11 @@ def verify_tree(c: TreeInputs, x: Tensor, rp: RowParams, shard: VocabShard, u_dr
     nodes = _Nodes(c, row_of.view(c.B, c.N))
     if c.method == "target_only":  # a draw at every node, then the walk along them
         target = yield from process(x[present], rp.take(present), shard)
-        drawn = (yield from sample(target, u_draw.reshape(-1)[present], 0, shard))[0]
+        drawn, drawn_p = (yield from sample(target, u_draw.reshape(-1)[present], 0, shard))[:2]
         y = torch.zeros(c.B * c.N, dtype=torch.int64, device=x.device)
-        y[present] = drawn
-        return walk_draws(c, _Drawn(y.view(c.B, c.N)), None, "", lambda stream, count: u_draw)
+        p_y = torch.zeros(c.B * c.N, device=x.device)
+        y[present], p_y[present] = drawn, drawn_p
+        return walk_draws(c, _Drawn(y.view(c.B, c.N), p_y.view(c.B, c.N)), None, "", lambda stream, count: u_draw)
     # the target at every node, read at its first child's token; every child's draft probability at its token
     child = (t.depth > 0).nonzero(as_tuple=True)
     kid = t.first_child[nodes.b, nodes.v]
@@ -431,21 +432,24 @@ def _held_draw(w: Tensor, ids: Tensor, u: Tensor) -> Tensor:
 
 class _Drawn:
     """The walk's view of the target rows when their draws are known: ``at(b, v).sample(u)`` is the draw
-    ``[B, N]`` at ``(b, v)``."""
+    ``y`` ``[B, N]`` at ``(b, v)``, ``.prob`` its target probability (``p_y`` float32 ``[B, N]``)."""
 
-    def __init__(self, y: Tensor):
-        self.y = y
+    def __init__(self, y: Tensor, p_y: Tensor):
+        self.y, self.p_y = y, p_y
 
     def at(self, b: Tensor, node: Tensor):
-        return _Fixed(self.y[b, node])
+        return _Fixed(self.y[b, node], self.p_y[b, node])
 
 
 class _Fixed:
-    def __init__(self, y: Tensor):
-        self.y = y
+    def __init__(self, y: Tensor, p_y: Tensor):
+        self.y, self.p_y = y, p_y
 
     def sample(self, u: Tensor) -> Tensor:
         return self.y
+
+    def prob(self, y: Tensor) -> Tensor:
+        return self.p_y
 
 
 class _Nodes:
@@ -498,7 +502,8 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept, compac
     test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
     test_r[b, kids[:, 0]] = target.read
     test_q = q_at.clone()
-    tests = lambda: c.usable & (u_accept * test_q < test_r)  # noqa: E731  (each child's, once its values are set)
+    # each child's test, once its values are set (r(x) = 0: never accepted, whatever q(x) says, as one device)
+    tests = lambda: c.usable & (u_accept * test_q < test_r) & (test_r > 0)  # noqa: E731
     for k in range(kids.shape[1]):
         if _rrs_settled(c, nodes, tests(), k):
             break  # no request's walk reads a later residual: the rounds end here, on every rank alike

@@ -35,7 +35,6 @@ from .topk import ordered_prefix
 
 _TINY = torch.finfo(torch.float32).tiny
 _LOG2E = math.log2(math.e)
-_FAR = 2.0**24  # |top * c| from which the multiply-add's offset loses units (see _weights)
 
 
 def masked_logits(x: Tensor, allowed: Tensor) -> Tensor:
@@ -66,31 +65,27 @@ def _weights(vals: Tensor, top: Tensor, temperature: Tensor, logits: bool, *, sh
     masses of :mod:`.masses` need weights in [0, 1]); a new tensor, or at the start of ``out`` (a flat float32
     buffer of at least :func:`~.rounding.grid_length` of the values, which the exponential overwrites).
 
-    From logits, computed as ``2 ** (x * c - top * c)`` with ``c = log2(e) / T`` (float32): a
-    multiply and a subtraction (not fused: ATen fuses them in its vectorised loop only, so a
+    From logits, computed as ``2 ** ((x - top) * c)`` with ``c = log2(e) / T`` (float32): a
+    subtraction, a multiply (not fused: ATen fuses them in its vectorised loop only, so a
     value's rounding would depend on its place in the tensor, which differs on a shard) and a
-    base-2 exponential, which costs half of ``exp`` on CPU. The exponential runs over whole
-    iterations of ATen's vectorised loop on every thread (:func:`~.rounding.grid_length`, see
-    :func:`in_vector_body`), so that a row's values round the same whatever rows come before it.
+    base-2 exponential, which costs half of ``exp`` on CPU. Subtracting first keeps every exponent within a
+    rounding of its own size (``x * c - top * c`` rounded each product by up to half a unit of ``top * c``: a
+    weight off by up to a factor of 2 where ``|top * c|`` neared ``2**24``), and at most 0 (a weight at most 1).
+    The exponential runs over whole iterations of ATen's vectorised loop on every thread
+    (:func:`~.rounding.grid_length`, see :func:`in_vector_body`), so that a row's values round the same whatever
+    rows come before it.
     top: float32 ``[r, 1]``, the row maximum; a row whose maximum is not finite has no mass.
-    temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply-add,
-    faster, with the same arithmetic).
+    temperature: float32 ``[r]``; ``shared``: every row's is the same (a scalar multiply, faster, with the same
+    arithmetic).
     """
     if not logits:
         return probability_weights(vals, _clean_top(vals) if vals.numel() else None, out)
     c = _scale(temperature)
-    tc = top * c
-    w = _exp2_weights(vals, float(c[0]) if shared and c.numel() else c, tc, out)
-    if bool((tc.abs() < _FAR).all()):  # every top finite and near zero (the usual case): done in one check
+    w = _exp2_weights(vals, float(c[0]) if shared and c.numel() else c, top, out)
+    finite = torch.isfinite(top)
+    if bool(finite.all()):  # every row holds numbers (the usual case): done in one check
         return w
-    finite = torch.isfinite(top)  # rows without mass: 0 below
-    top = torch.where(finite, top, 0.0)
-    # from |top * c| >= 2**24 the products round by more than a unit (1e10 gave a row of zeros, 1e15 NaN): such
-    # rows subtract first, exactly as the kernels do
-    far = (top * c).abs()[:, 0] >= _FAR
-    if bool(far.any()):
-        w[far] = in_vector_body(torch.exp2, (vals[far] - top[far]) * c[far]).clamp_(max=1.0)
-    return w.masked_fill_(~finite, 0.0)
+    return w.masked_fill_(~finite, 0.0)  # rows without mass
 
 
 def probability_weights(vals: Tensor, top: Tensor | None, out: Tensor | None = None) -> Tensor:
@@ -160,13 +155,12 @@ def _in_buffer(vals: Tensor, out: Tensor | None) -> tuple[Tensor, Tensor]:
     return buf[:n].view(vals.shape), buf
 
 
-def _exp2_weights(vals: Tensor, c: Tensor | float, tc: Tensor, out: Tensor | None) -> Tensor:
-    """:func:`_weights` of logits ``vals`` ``[r, C]`` whose ``top * c`` (``tc`` ``[r, 1]``) are finite and below
-    2**24 in magnitude: ``2 ** (x * c - tc)``, at most 1, in ``out`` (or new)."""
+def _exp2_weights(vals: Tensor, c: Tensor | float, top: Tensor, out: Tensor | None) -> Tensor:
+    """:func:`_weights` of logits ``vals`` ``[r, C]`` below their rows' finite maxima ``top`` ``[r, 1]``:
+    ``2 ** ((x - top) * c)``, in [0, 1] (``x - top`` rounds to at most 0), in ``out`` (or new)."""
     w, buf = _in_buffer(vals, out)
-    torch.mul(vals, c, out=w).sub_(tc)
-    # at most 1 (the masses need it: x * c - top * c may round above 0); the few values past n are not read
-    buf.exp2_().clamp_(max=1.0)
+    torch.sub(vals, top, out=w).mul_(c)
+    buf.exp2_()  # the few values past n are not read
     return w
 
 
@@ -272,6 +266,11 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates, columns: Tensor |
         temperature, k = torch.where(greedy, 1.0, rp.temperature), int(keep_n.max())
     n = max(min_candidates, k)
     vals, ids = ordered_prefix(x, n)
+    if not logits and n:  # NaN and +inf probabilities weigh 0 (probability_weights): they lead the order, where
+        bad = (vals.isnan() | (vals == float("inf"))).any(-1)  # they took a candidate's place; such rows ordered
+        if bool(bad.any()):  # again with them as the 0 they weigh
+            rows_bad = bad.nonzero()[:, 0]
+            vals[rows_bad], ids[rows_bad] = ordered_prefix(torch.nan_to_num(x[rows_bad], nan=0.0, posinf=0.0), n)
     if logits and mixed and n:  # the greedy choice never takes a NaN (greedy.greedy_ids): NaN leads a
         nan = greedy & vals[:, 0].isnan()  # row holding one, and only those rows are ordered again without it
         if bool(nan.any()):
@@ -358,8 +357,8 @@ def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int, rows: Tensor | 
     ``step`` rows at a time in reused buffers (fresh pages cost more than the passes, and a block stays in the
     CPU's caches), with few other ops a block; then every row's draw is located at once from the chunks' bounds
     (:func:`.masses.draw_in_bounds`), the probabilities at the columns it reads recomputed from the logits: the
-    same elementwise arithmetic, so the same values. Rows whose ``top * c`` is not finite or far from zero (see
-    :func:`_weights`) are redone whole after the blocks.
+    same elementwise arithmetic, so the same values. Rows without a finite maximum (see :func:`_weights`) are redone
+    whole after the blocks.
     """
     V = x.shape[1]
     R = x.shape[0] if rows is None else rows.numel()
@@ -373,17 +372,18 @@ def sample_plain(x: Tensor, rp: RowParams, u: Tensor, step: int, rows: Tensor | 
         e = min(R, s + step)
         block = x[s:e] if rows is None else torch.index_select(
             x, 0, rows[s:e], out=SCRATCH.get("plain rows", (e - s, V), x.dtype, x.device))
-        tc = torch.amax(block, -1, keepdim=True, out=top[s:e]) * c[s:e]
+        torch.amax(block, -1, keepdim=True, out=top[s:e])
         out = SCRATCH.get("weights", (grid_length(block.numel()),), torch.float32, x.device)
-        w = _exp2_weights(block, float(c[0]) if shared else c[s:e], tc, out)  # rows with a far top: redone below
+        # rows without a finite maximum: redone below
+        w = _exp2_weights(block, float(c[0]) if shared else c[s:e], top[s:e], out)
         if w_max is not None:
             keep_at_least_(w, rp.min_p[s:e, None] * torch.amax(w, -1, keepdim=True, out=w_max[s:e]))
         mass[s:e] = row_mass(w, keepdim=True, unit=True)
         f = SCRATCH.get(ROW_MASSES, w.shape, torch.float32, x.device)  # free again once row_mass returns
         sums[s:e] = chunk_sums(normalised_masses(w, mass[s:e], f))
-    far = ~((top * c).abs() < _FAR)[:, 0]  # NaN or infinite tops too
-    if bool(far.any()):
-        redo = far.nonzero()[:, 0]
+    no_top = ~torch.isfinite(top)[:, 0]  # NaN or infinite
+    if bool(no_top.any()):
+        redo = no_top.nonzero()[:, 0]
         w, row_max = _plain_weights(x[_within(rows, redo)], top[redo], rp.take(redo), True)
         if w_max is not None:  # (None where none of these rows has min-p: a number all the same)
             w_max[redo] = w.amax(-1, keepdim=True) if row_max is None else row_max

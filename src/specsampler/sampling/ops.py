@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from .. import constants
-from ..kernels import use_triton
+from ..kernels import runs_kernel, use_triton
 from ..params import RowParams, SamplingParams, check_field
 from ..rng import STREAM_SAMPLE, Philox, check_rng, kernel_randomness, uniform
+from ..tracing import eager_when_traced
 from ..validation import (
     check_integer,
     check_logits_values,
@@ -29,7 +30,7 @@ from ..validation import (
     fail,
     shape_str,
 )
-from .filters import _FAR, _clean_top, _scale, _unit_divisor, masked_logits, probability_weights, sample_plain
+from .filters import _clean_top, _scale, _unit_divisor, masked_logits, probability_weights, sample_plain
 from .greedy import greedy_ids
 from .masses import as_weight, prefix_masses
 from .processing import Processed, _kinds, in_vector_body, process, sample_by_inversion
@@ -111,6 +112,7 @@ def logit_rows(op, logits, params, vocab_mask, full, live: Tensor | None = None)
     return x, rp, B, M
 
 
+@eager_when_traced()
 @torch.no_grad()
 def logits_to_probs(
     logits: Tensor,
@@ -148,6 +150,7 @@ def _renorm(op: str, probs: Tensor, name: str, value, validate: str) -> Tensor:
     return process(probs.reshape(-1, V).float(), rp, logits=False).dense().reshape(probs.shape)
 
 
+@eager_when_traced()
 @torch.no_grad()
 def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structure") -> Tensor:
     """Keep the ``top_k`` most likely tokens of each row (ties to the lower id) and renormalise.
@@ -158,6 +161,7 @@ def top_k_renorm(probs: Tensor, top_k: int | Tensor, *, validate: str = "structu
     return _renorm("top_k_renorm", probs, "top_k", top_k, validate)
 
 
+@eager_when_traced()
 @torch.no_grad()
 def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "structure") -> Tensor:
     """Keep the smallest prefix of the (prob desc, id asc) order whose mass reaches ``top_p``.
@@ -168,6 +172,7 @@ def top_p_renorm(probs: Tensor, top_p: float | Tensor, *, validate: str = "struc
     return _renorm("top_p_renorm", probs, "top_p", top_p, validate)
 
 
+@eager_when_traced()
 @torch.no_grad()
 def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "structure") -> Tensor:
     """Keep tokens with probability ``>= min_p * max probability`` of their row, renormalised.
@@ -178,6 +183,7 @@ def min_p_renorm(probs: Tensor, min_p: float | Tensor, *, validate: str = "struc
     return _renorm("min_p_renorm", probs, "min_p", min_p, validate)
 
 
+@eager_when_traced(runs_kernel)
 @torch.no_grad()
 def sample(probs: Tensor, rng: torch.Generator | Philox | None = None, *, validate: str = "structure") -> Tensor:
     """Draw one token from each distribution (categorical over the last dim).
@@ -220,6 +226,14 @@ def _row_randomness(rng, op: str, B: int, M: int, device: torch.device):
     return seed.repeat_interleave(M), offset.repeat_interleave(M), index, None
 
 
+def _sample_kernel(*args, **kwargs) -> bool:
+    """Whether :func:`sample_from_logits` takes its kernel, given its arguments (top-N log-probabilities: the PyTorch
+    path)."""
+    num_logprobs = args[4] if len(args) > 4 else kwargs.get("num_logprobs", 0)
+    return num_logprobs == 0 and runs_kernel(*args, **kwargs)
+
+
+@eager_when_traced(_sample_kernel)
 @torch.no_grad()
 def sample_from_logits(
     logits: Tensor,
@@ -234,7 +248,9 @@ def sample_from_logits(
 
     Draws the same token as ``sample(logits_to_probs(logits, params, vocab_mask), rng)`` for
     the same random stream (up to float rounding at a cumulative-probability boundary),
-    without building the dense distribution when the kept set is small.
+    without building the dense distribution when the kept set is small. One exception: a greedy row whose largest
+    logit is +inf takes that token (log-probability -inf), where ``logits_to_probs`` gives the row no mass (all 0,
+    which ``sample`` draws as token 0).
 
     Args:
         logits: float32/bf16/fp16 ``[B, ..., V]``.
@@ -346,22 +362,20 @@ def _process_small(x: Tensor, small: tuple[Tensor, ...]) -> Processed | None:
     """``process(x, rp, logits=True)`` for top-p rows over a short vocabulary, in a fraction of its ops.
 
     x: float32 ``[R, V]``; small: :func:`_small_constants`. The same arithmetic as
-    :func:`process` takes for such rows (``exp2`` of ``x * c - top * c``, the top-p cut in the
+    :func:`process` takes for such rows (``exp2`` of ``(x - top) * c``, the top-p cut in the
     (weight desc, id asc) order and the normalisation on exact masses), so the same numbers;
-    returned dense, which samples and reads as the candidates in id order do. None where
-    ``top * c`` is not finite or ``|top * c| >= 2**24`` (use :func:`process`).
+    returned dense, which samples and reads as the candidates in id order do. None where a row's
+    maximum is not finite (use :func:`process`).
     """
     c, top_p = small
-    xc = torch.mul(x, c)
-    # fl(x * c) grows with x (c > 0), so the largest product is the largest logit's, top * c: the same tc
-    tc = xc.amax(-1, keepdim=True)
+    top = x.amax(-1, keepdim=True)
     # a NaN logit makes its row's maximum NaN: past this check the rows hold numbers, and weights in [0, 1]
-    if not all(math.isfinite(v) and abs(v) < _FAR for (v,) in tc.tolist()):
-        return None  # process() handles rows without mass and rows far from zero (see filters._weights)
+    if not all(math.isfinite(v) for (v,) in top.tolist()):
+        return None  # process() handles rows without mass (see filters._weights)
     # bit for bit process()'s weights (elementwise, every value in the vectorised body: in_vector_body),
     # here in id order, so that a stable sort puts them in the top-p order (weight desc, id asc) at once
-    w = in_vector_body(torch.exp2, xc.sub_(tc)).clamp_(max=1.0)
-    w, order = torch.sort(w, dim=-1, descending=True, stable=True)
+    xc = torch.sub(x, top).mul_(c)
+    w, order = torch.sort(in_vector_body(torch.exp2, xc), dim=-1, descending=True, stable=True)
     cum = prefix_masses(w, xc)  # of masses.masses(): weights in [0, 1] (xc, the exponents, is free now)
     # a token is kept where the mass before it is below masses.top_p_target, ceil(top_p * Z) (at most Z already:
     # top_p < 1 and Z an integer): the first n + 1, n the count of prefix masses below it (cum ends at Z: n < V)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import constants
-from ..kernels import use_triton
+from ..kernels import runs_kernel, use_triton
 from ..lazy import cached_property
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness, planned
@@ -25,6 +25,7 @@ from ..sampling.masses import as_weight
 from ..sampling.ops import _process_prepared, logit_inputs, logit_rows
 from ..sampling.processing import Processed, process
 from ..sampling.vocab import Vocab
+from ..tracing import eager_when_traced
 from ..validation import (
     check_device,
     check_logits_values,
@@ -199,8 +200,9 @@ def block_h(c: ChainInputs, a: Tensor, s: Tensor) -> Tensor:
 
 def token_accepted(c: ChainInputs, u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
     """token's accepted counts int64 ``[B]``: the leading drafts with ``u_i q_i(x_i) < p_i(x_i)`` (strict), from the
-    acceptance uniforms ``u`` and the drafts' probabilities float32 ``[B, K]``."""
-    return _leading_run((u * q_x < p_x) & c.usable)
+    acceptance uniforms ``u`` and the drafts' probabilities float32 ``[B, K]``. A draft of target probability 0 is
+    never accepted, whatever its draft probability says (a negative one passes the comparison)."""
+    return _leading_run((u * q_x < p_x) & (p_x > 0) & c.usable)
 
 
 def block_tau(h: Tensor, eta: Tensor) -> Tensor:
@@ -256,7 +258,8 @@ def _verify(c: ChainInputs, target: Processed | None, greedy_draws: Tensor | Non
     p_x = _p_x(c, target)
     if c.method == "target_only":
         draws = target.sample(u_draw.view(-1)).view(B, K + 1)
-        n = _leading_run((draws[:, :K] == c.x) & c.usable)
+        # a row without mass draws 0: a draft 0 there has target probability 0, not accepted
+        n = _leading_run((draws[:, :K] == c.x) & (p_x > 0) & c.usable)
         return _result(c, n, draws.gather(1, n[:, None])[:, 0], lambda: _expected(c, target, n))
     q_x = c.q_x()
     if c.method == "token":
@@ -337,6 +340,7 @@ def _result(c: ChainInputs, n: Tensor, y: Tensor, expected: Callable[[], Tensor]
     return ChainResult(tokens, n, expected)
 
 
+@eager_when_traced(runs_kernel)
 @torch.no_grad()
 def verify_chain(
     target_probs: Tensor,
@@ -385,6 +389,7 @@ def verify_chain(
     return _verify(c, Processed.from_dense(rows), None, rng, op)
 
 
+@eager_when_traced(runs_kernel)
 @torch.no_grad()
 def verify_chain_from_logits(
     target_logits: Tensor,

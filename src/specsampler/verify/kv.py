@@ -39,6 +39,7 @@ def _tensors(op: str, cache: Cache) -> list[Tensor]:
     return [t for t in kv if isinstance(t, Tensor) and t.numel()]
 
 
+@torch.no_grad()
 def compact_kv(cache: Cache, cache_lens: Tensor, path: Tensor, num_accepted: Tensor, *, seq_dim: int = 2,
                validate: str = "structure") -> None:
     """Move the KV entries of each request's accepted path to right after its committed cache, in place.

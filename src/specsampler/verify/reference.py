@@ -87,7 +87,7 @@ def chain_token(p: Tensor, q: Tensor, x: list[int], u_acc: list[float], u_draw: 
     K, V = len(x), p.shape[1]
     p_x, q_x = _values_at(p[:K], x), _values_at(q[:K], x)
     for i, xi in enumerate(x):
-        if _usable(xi, V) and f32(u_acc[i + 1]) * q_x[i] < p_x[i]:  # draft i is node i+1
+        if _usable(xi, V) and f32(u_acc[i + 1]) * q_x[i] < p_x[i] and p_x[i] > 0:  # draft i is node i+1
             continue
         residual = (p[i] - q[i]).clamp(min=0.0)
         return x[:i] + [_draw(residual if has_mass(residual) else p[i], u_draw[i])], i
@@ -119,7 +119,7 @@ def chain_draws(p: Tensor, x: list[int], u_draw: list[float] | None) -> tuple[li
     """target_only (``u_draw`` given: sample then compare) or greedy (``None``: argmax), one request."""
     for i in range(len(x) + 1):
         y = int(p[i].argmax()) if u_draw is None else _draw(p[i], u_draw[i])
-        if i == len(x) or y != x[i]:
+        if i == len(x) or y != x[i] or (u_draw is not None and not p[i, y] > 0):  # a row without mass draws 0
             return x[:i] + [y], i
     raise AssertionError("unreachable")
 
@@ -155,7 +155,8 @@ def tree_draws(p: Tensor, x: list[int], kids: list[list[int]], u_draw: list[floa
     while True:
         v = path[-1]
         y = int(p[v].argmax()) if u_draw is None else _draw(p[v], u_draw[v])
-        nxt = next((c for c in kids[v] if x[c] == y), -1)
+        has_mass = u_draw is None or p[v, y] > 0  # without, the draw is 0, of target probability 0: no child
+        nxt = next((c for c in kids[v] if x[c] == y), -1) if has_mass else -1
         if nxt < 0:
             return path, y
         path.append(nxt)
@@ -171,7 +172,8 @@ def tree_rrs(p, q, x, kids, u_acc, u_draw, without_replacement: bool) -> tuple[l
         shared = q[kids[v][0]] if kids[v] and without_replacement else None
         for c in kids[v]:
             qc = shared if shared is not None else q[c]
-            if _usable(x[c], V) and f32(u_acc[c]) * _at(qc, x[c]) < _at(r, x[c]):
+            # r(x) = 0: never accepted, whatever q(x) says (a negative one passes the test)
+            if _usable(x[c], V) and f32(u_acc[c]) * _at(qc, x[c]) < (r_x := _at(r, x[c])) and r_x > 0:
                 path.append(c)
                 break
             residual = (r - qc).clamp(min=0.0)

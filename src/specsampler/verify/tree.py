@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels import use_triton
+from ..kernels import runs_kernel, use_triton
 from ..params import RowParams, SamplingParams
 from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, check_rng, kernel_randomness
 from ..sampling.greedy import greedy_ids
 from ..sampling.ops import _process_prepared, logit_inputs
 from ..sampling.processing import Processed
+from ..tracing import eager_when_traced
 from ..validation import (
     check_device,
     check_logits_values,
@@ -165,6 +166,7 @@ def _walk_kernel(c: TreeInputs, target: Tensor, rng, op: str, rp: RowParams | No
 
 
 
+@eager_when_traced(runs_kernel)
 @torch.no_grad()
 def verify_tree(
     target_probs: Tensor,
@@ -228,6 +230,7 @@ def verify_tree(
     return _result(walked, expected)
 
 
+@eager_when_traced(runs_kernel)
 @torch.no_grad()
 def verify_tree_from_logits(
     target_logits: Tensor,
@@ -386,15 +389,19 @@ def _walk_draws_host(c: TreeInputs, logits: Tensor, proc: Processed | None,
     (:func:`_assemble`'s outputs)."""
     if c.method == "greedy":
         drawn = greedy_ids(logits)
+        has_mass = torch.ones(c.B, c.N, dtype=torch.bool)
     else:
-        drawn = proc.sample(draw(STREAM_SAMPLE, c.N).reshape(-1)).view(c.B, c.N)
-    drawn, tokens, usable = drawn.tolist(), c.x.tolist(), c.usable.tolist()
+        flat = proc.sample(draw(STREAM_SAMPLE, c.N).reshape(-1))
+        drawn = flat.view(c.B, c.N)
+        has_mass = (proc.prob(flat) > 0).view(c.B, c.N)  # without, the draw is 0, of target probability 0: no child
+    drawn, tokens, usable, has_mass = drawn.tolist(), c.x.tolist(), c.usable.tolist(), has_mass.tolist()
     walks = []
     for b in range(c.B):
         kids, nodes = _kids(c.tree, b), [0]
         while True:
             y = drawn[b][nodes[-1]]
-            nxt = next((k for k in kids[nodes[-1]] if usable[b][k] and tokens[b][k] == y), -1)
+            moves = kids[nodes[-1]] if has_mass[b][nodes[-1]] else ()
+            nxt = next((k for k in moves if usable[b][k] and tokens[b][k] == y), -1)
             if nxt < 0:
                 break
             nodes.append(nxt)

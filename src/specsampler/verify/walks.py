@@ -280,8 +280,14 @@ def walk_draws(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tupl
     for d in range(D + 1):
         at = slice(None) if walking.numel() == B else walking  # everyone: views, not gathers
         v = path[at, d]
-        y = rows.argmax(walking, v) if u is None else rows.at(walking, v).sample(u[at].gather(1, v[:, None])[:, 0])
-        kid = children.find(at, v, y)
+        if u is None:
+            y = rows.argmax(walking, v)
+            kid = children.find(at, v, y)
+        else:
+            row = rows.at(walking, v)
+            y = row.sample(u[at].gather(1, v[:, None])[:, 0])
+            # a row without mass draws 0, of target probability 0: no child carrying it is accepted
+            kid = torch.where(row.prob(y) > 0, children.find(at, v, y), -1)
         # the step's outcome for everyone walking; those who move overwrite n and y next step
         path[at, d + 1], n[at], y_out[at] = kid, d, y
         walking = walking[kid >= 0]
@@ -311,7 +317,8 @@ def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[
             held = None if ids is None else ids[trying]
             q = q_shared[trying] if q_shared is not None else c.q[b, k] if ids is None else None
             q_x = c.q[b, k, xk] if q is None else vocab.value(q, xk)  # held rows: q read where needed only
-            ok = c.usable[b, k] & (u_accept[b, k] * q_x < _value(r[trying], held, xk, vocab))
+            r_x = _value(r[trying], held, xk, vocab)
+            ok = c.usable[b, k] & (u_accept[b, k] * q_x < r_x) & (r_x > 0)  # r(x) = 0: never, whatever q(x) says
             chosen[trying[ok]] = k[ok]
             rej = trying[~ok]
             if q is None:
