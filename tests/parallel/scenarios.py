@@ -819,8 +819,28 @@ def edges(shard, g):
     return out
 
 
+def compiled(shard, g):
+    """The shard path under a plain torch.compile in inference mode (dynamo's guards failed on the PyTorch path's
+    NumPy views written in place): sampling and a token chain, compiled against eager and the one-device op."""
+    B, K = 6, 3
+    logits, params, rng = _sampled_logits(g, B, K + 1), _params(g, B), _philox(g, B)
+    drafts, q = torch.randint(0, V, (B, K), generator=g), _draft_probs(g, B, K)
+
+    def step(x):
+        return (parallel.sample_from_logits(x[:, 0], params, rng, shard=shard, strategy="shard").tokens,
+                parallel.verify_chain_from_logits(x, drafts, params, draft_probs=_cut(q, shard), method="token",
+                                                  rng=rng, shard=shard, strategy="shard").tokens)
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = torch.compile(step, backend="aot_eager")(_cut(logits, shard))
+        ref = (ss.sample_from_logits(logits[:, 0], params, rng).tokens,
+               ss.verify_chain_from_logits(logits, drafts, params, draft_probs=q, method="token", rng=rng).tokens)
+    return [[t.tolist() for t in got], [t.tolist() for t in ref]]
+
+
 SCENARIOS = {"sample": sample, "chain": chain, "tree": tree, "sampled": sampled, "sampled_chain": sampled_chain,
              "sampled_tree": sampled_tree, "comms": comms_independent_of_v, "errors": errors, "exactness": exactness,
              "rounds": rounds, "settled": settled, "compact": compact, "nuclei": nuclei, "wide": wide,
              "large vocabulary": large_vocabulary, "wide auto": wide_auto, "fallbacks": fallbacks,
-             "strategies": strategies, "edges": edges}
+             "strategies": strategies, "edges": edges, "compiled": compiled}

@@ -127,6 +127,11 @@ def test_sampling_with_every_parameter_mix_equals_the_one_device_op_on_every_ran
         assert got == want
 
 
+def test_the_shard_path_under_a_plain_torch_compile_gives_the_one_device_tokens(ranks):
+    got, want = _same_on_every_rank(ranks, "compiled")
+    assert got == want
+
+
 def test_every_chain_method_equals_the_one_device_op_on_every_rank(ranks):
     for method, got, want, _ in _same_on_every_rank(ranks, "sampled_chain"):
         assert got == want, method

@@ -1095,7 +1095,7 @@ def _every_kind_batch(V: int):
     logits = torch.randn(len(_EVERY_KIND), V, generator=g) * 3
     logits[1, 5], logits[3, 9] = math.nan, math.nan
     logits[6, 17] = 40.0
-    logits[9] += 3e7  # a plain row far from zero: its weights subtract the top first
+    logits[9] += 3e7  # a plain row far from zero (its products with c would round by units)
     fields = ("temperature", "top_k", "top_p", "min_p")
     return logits, SP(*(torch.tensor([getattr(p, f) for p in _EVERY_KIND]) for f in fields))
 

@@ -22,6 +22,7 @@ from ..rng import STREAM_ACCEPT, STREAM_SAMPLE, Philox, uniform
 from ..sampling import SampleOutput
 from ..sampling.filters import masked_logits
 from ..sampling.rounding import in_vector_body
+from ..tracing import eager_when_traced
 from ..validation import (
     ValidationError,
     check_device,
@@ -138,6 +139,7 @@ def _strategy(strategy: str, link: cost.Link, shard: VocabShard, plans, rows: in
     return cost.choose(link, dist.get_world_size(shard.group), *plans())
 
 
+@eager_when_traced()  # collectives and the PyTorch path on the shards: as in eager mode
 @torch.no_grad()
 def sample_from_logits(logits: Tensor, params: SamplingParams | None = None, rng: Philox | None = None,
                        vocab_mask: Tensor | None = None, num_logprobs: int = 0, *, shard: VocabShard,
@@ -197,6 +199,7 @@ def _sample(op, x, rp, rng, num_logprobs, shard, fingerprint) -> SampleOutput:
     return SampleOutput(tokens, logprobs, top_ids, in_vector_body(torch.log, top_p))
 
 
+@eager_when_traced()  # collectives and the PyTorch path on the shards: as in eager mode
 @torch.no_grad()
 def verify_chain_from_logits(target_logits: Tensor, draft_tokens: Tensor, params: SamplingParams | None = None, *,
                              draft_probs: Tensor | None = None, num_drafts: Tensor | None = None,
@@ -271,6 +274,7 @@ class _Argmaxes:
         return self.ids[b, node]
 
 
+@eager_when_traced()  # collectives and the PyTorch path on the shards: as in eager mode
 @torch.no_grad()
 def verify_tree_from_logits(target_logits: Tensor, draft_tokens: Tensor, tree: TokenTree,
                             params: SamplingParams | None = None, *, draft_probs: Tensor | None = None,

@@ -613,4 +613,4 @@ def _passes_after(op: str, q: Tensor, x: Tensor, p: Tensor, n: Tensor, rng: Rng)
     else:
         u = uniform(rng, op, B, K, STREAM_ACCEPT, q.device)
     after = torch.arange(K, device=q.device) >= n[:, None]
-    return ((u * q_x < p_x) & ok & after).sum(1)
+    return ((u * q_x < p_x) & (p_x > 0) & ok & after).sum(1)  # the verification's test: no draft of p 0
