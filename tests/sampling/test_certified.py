@@ -356,3 +356,30 @@ def test_a_draw_tells_whether_each_row_has_mass_from_its_own_bounds(unit):
     assert mass.tolist() == has_mass(w).tolist() == [False, False, True, True, False, True, True, True, True]
     assert token.tolist() == sample_by_inversion(w, u).tolist()
     assert token.tolist() == [_exact_draw(r, float(v)) for r, v in zip(w.tolist(), u)]
+
+
+def test_the_top_p_prefix_of_rows_out_of_weight_order_is_each_row_s_own():
+    """Rows whose candidates are not in (weight desc, id asc) order (equal positive weights of distinct logits, ids
+    descending) are ordered first; the batch was re-sorted whole when one row needed it (a batch of 256 rows over
+    1000 tokens took 33 ms for 6 such rows). Each row now keeps the prefix of its own order, alone or in a batch."""
+    from specsampler.sampling.filters import prefix_keep
+
+    ordered = [0.5, 0.25, 0.25, 0.125, 0.0, 0.0]  # ties with ids ascending (and zeros in any id order)
+    tied = [0.5, 0.25, 0.25, 0.125, 0.0, 0.0]  # the same weights, the tie's ids descending
+    w = torch.tensor([ordered, tied])
+    ids = torch.tensor([[0, 1, 2, 3, 5, 4], [0, 2, 1, 3, 4, 5]])
+    target = torch.tensor([2.0**31 + 2.0**30, 2.0**31 + 2.0**30], dtype=torch.float64)  # half and a quarter
+    keep = prefix_keep(w, ids, target)
+
+    def exact(row: list[float], row_ids: list[int], t: float) -> list[bool]:  # (weight desc, id asc), Python ints
+        m = _exact_masses(row)
+        order = sorted(range(len(row)), key=lambda j: (-row[j], row_ids[j]))
+        kept, before = [False] * len(row), 0
+        for j in order:
+            kept[j], before = before < t, before + m[j]
+        return kept
+
+    for b in range(2):
+        want = exact(w[b].tolist(), ids[b].tolist(), float(target[b]))
+        assert keep[b].tolist() == want == prefix_keep(w[b:b + 1], ids[b:b + 1], target[b:b + 1])[0].tolist()
+    assert keep[1].tolist() == [True, False, True, False, False, False]  # id 1 (node 2) is the tie's first

@@ -176,15 +176,23 @@ def prefix_keep(w: Tensor, ids: Tensor, target: Tensor, m: Tensor | None = None)
 
     w: float32 ``[r, C]`` weights in [0, 1]; ids: int64 ``[r, C]``, distinct in a row (any order); m: their
     masses when the caller has them."""
-    if w.shape[1] < 2 or not bool(((w[:, 1:] > w[:, :-1]) | ((w[:, 1:] == w[:, :-1]) & (ids[:, 1:] < ids[:, :-1])))
-                                  .any()):  # already in that order (candidates in logit order, the usual case)
-        m = masses(w) if m is None else m
-        return (m.cumsum(-1) - m) < target[:, None]
-    by_id = ids.argsort(dim=-1)
-    order = by_id.gather(1, torch.sort(w.gather(1, by_id), dim=-1, descending=True, stable=True).indices)
-    m = masses(w.gather(1, order))
-    keep = (m.cumsum(-1) - m) < target[:, None]
-    return torch.empty_like(keep).scatter_(1, order, keep)
+    m = masses(w) if m is None else m
+    keep = (m.cumsum(-1) - m) < target[:, None]  # rows already in that order (candidates in logit order, the usual)
+    if w.shape[1] < 2:
+        return keep
+    # the others, ordered first (each row alone: its neighbours' order costs it nothing); weights of 0 (underflowed,
+    # far below the top) may lie in any order: they come after every positive one, the mass before each is the row's,
+    # and none is kept either way
+    tied = (w[:, 1:] == w[:, :-1]) & (w[:, 1:] > 0)
+    unordered = ((w[:, 1:] > w[:, :-1]) | (tied & (ids[:, 1:] < ids[:, :-1]))).any(-1)
+    if bool(unordered.any()):
+        r = unordered.nonzero()[:, 0]
+        w_r, ids_r = w[r], ids[r]
+        by_id = ids_r.argsort(dim=-1)
+        order = by_id.gather(1, torch.sort(w_r.gather(1, by_id), dim=-1, descending=True, stable=True).indices)
+        m_r = masses(w_r.gather(1, order))
+        keep[r] = torch.empty_like(keep[r]).scatter_(1, order, (m_r.cumsum(-1) - m_r) < target[r, None])
+    return keep
 
 
 def _cut_candidates(w: Tensor, ids: Tensor, rp: RowParams, z: Tensor | None = None) -> Tensor:
@@ -307,7 +315,8 @@ def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams,
         z = m.sum(-1)
         target = np.minimum(np.ceil(top_p.astype(np.float64) * z), z)[:, None]
         a, b = wn[:, :-1], wn[:, 1:]
-        if ((b > a) | ((b == a) & (idn[:, 1:] < idn[:, :-1]))).any():  # not in (weight desc, id asc) order
+        # not in (weight desc, id asc) order (weights of 0 in any order: as in prefix_keep)
+        if ((b > a) | ((b == a) & (b > 0) & (idn[:, 1:] < idn[:, :-1]))).any():
             by_id = np.argsort(idn, axis=-1)
             order = np.take_along_axis(by_id, np.argsort(-np.take_along_axis(wn, by_id, -1), -1, kind="stable"), -1)
             m_in_order = np.take_along_axis(m, order, -1)
