@@ -22,6 +22,7 @@ from ..verify.chain import (
     _block_expected,
     _leading_run,
     _result,
+    accepts,
     block_a,
     block_h,
     block_tau,
@@ -502,8 +503,7 @@ def _rrs(c, nodes: _Nodes, target, q_at: Tensor, shard, u_draw, u_accept, compac
     test_r = torch.zeros(B, N, device=dev)  # what each child is tested against: r and q at its token
     test_r[b, kids[:, 0]] = target.read
     test_q = q_at.clone()
-    # each child's test, once its values are set (r(x) = 0: never accepted, whatever q(x) says, as one device)
-    tests = lambda: c.usable & (u_accept * test_q < test_r) & (test_r > 0)  # noqa: E731
+    tests = lambda: c.usable & accepts(u_accept, test_q, test_r)  # noqa: E731  (each child's, once its values are set)
     for k in range(kids.shape[1]):
         if _rrs_settled(c, nodes, tests(), k):
             break  # no request's walk reads a later residual: the rounds end here, on every rank alike

@@ -7,6 +7,7 @@ The rules: docs/design.md, "Sampling"; top-p alone: :mod:`.nucleus`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -275,15 +276,11 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates, columns: Tensor |
     n = max(min_candidates, k)
     vals, ids = ordered_prefix(x, n)
     if not logits and n:  # NaN and +inf probabilities weigh 0 (probability_weights): they lead the order, where
-        bad = (vals.isnan() | (vals == float("inf"))).any(-1)  # they took a candidate's place; such rows ordered
-        if bool(bad.any()):  # again with them as the 0 they weigh
-            rows_bad = bad.nonzero()[:, 0]
-            vals[rows_bad], ids[rows_bad] = ordered_prefix(torch.nan_to_num(x[rows_bad], nan=0.0, posinf=0.0), n)
+        # they took a candidate's place; such rows are ordered again with them as the 0 they weigh
+        _order_again(x, vals, ids, (vals.isnan() | (vals == float("inf"))).any(-1),
+                     lambda rows: torch.nan_to_num(rows, nan=0.0, posinf=0.0))
     if logits and mixed and n:  # the greedy choice never takes a NaN (greedy.greedy_ids): NaN leads a
-        nan = greedy & vals[:, 0].isnan()  # row holding one, and only those rows are ordered again without it
-        if bool(nan.any()):
-            rows_nan = nan.nonzero()[:, 0]
-            vals[rows_nan], ids[rows_nan] = ordered_prefix(nan_as_minus_inf(x[rows_nan]), n)
+        _order_again(x, vals, ids, greedy & vals[:, 0].isnan(), nan_as_minus_inf)  # row holding one: again without
     if columns is not None:
         ids = columns.gather(1, ids)
     w = _candidate_weights(vals, temperature, logits, shared=isinstance(keep_n, int))
@@ -295,6 +292,14 @@ def _bounded_part(rows, x, rp, greedy, logits, min_candidates, columns: Tensor |
     fallback = torch.where(greedy, ids[:, 0], 0) if logits and mixed and n else None
     part = _cut_part_on_cpu(rows, ids, w, rp, fallback) if w.device.type == "cpu" else None
     return part if part is not None else _part_in_id_order(rows, ids, *_cut_with_mass(w, ids, rp), fallback)
+
+
+def _order_again(x: Tensor, vals: Tensor, ids: Tensor, redo: Tensor, read: Callable[[Tensor], Tensor]) -> None:
+    """Order the rows ``redo`` (bool ``[r]``) of ``x`` again, as ``read`` gives their values, into their places of
+    ``ordered_prefix``'s ``vals`` and ``ids`` (``[r, n]``, in place); only those rows are read again."""
+    if bool(redo.any()):
+        rows = redo.nonzero()[:, 0]
+        vals[rows], ids[rows] = ordered_prefix(read(x[rows]), vals.shape[1])
 
 
 def _cut_part_on_cpu(rows: Tensor | None, ids: Tensor, w: Tensor, rp: RowParams,

@@ -198,11 +198,16 @@ def block_h(c: ChainInputs, a: Tensor, s: Tensor) -> Tensor:
     return h
 
 
+def accepts(u: Tensor, q_x: Tensor, p_x: Tensor) -> Tensor:
+    """The acceptance test of rejection sampling, elementwise: ``u q(x) < p(x)`` (strict), and never where
+    ``p(x) = 0``, whatever ``q(x)`` says (a negative one passes the comparison)."""
+    return (u * q_x < p_x) & (p_x > 0)
+
+
 def token_accepted(c: ChainInputs, u: Tensor, p_x: Tensor, q_x: Tensor) -> Tensor:
-    """token's accepted counts int64 ``[B]``: the leading drafts with ``u_i q_i(x_i) < p_i(x_i)`` (strict), from the
-    acceptance uniforms ``u`` and the drafts' probabilities float32 ``[B, K]``. A draft of target probability 0 is
-    never accepted, whatever its draft probability says (a negative one passes the comparison)."""
-    return _leading_run((u * q_x < p_x) & (p_x > 0) & c.usable)
+    """token's accepted counts int64 ``[B]``: the leading drafts that pass :func:`accepts`, from the acceptance
+    uniforms ``u`` and the drafts' probabilities float32 ``[B, K]``."""
+    return _leading_run(accepts(u, q_x, p_x) & c.usable)
 
 
 def block_tau(h: Tensor, eta: Tensor) -> Tensor:

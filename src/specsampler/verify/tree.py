@@ -387,21 +387,22 @@ def _walk_draws_host(c: TreeInputs, logits: Tensor, proc: Processed | None,
     """greedy / target_only: every node's draw at once (a node's draw is its own whether or not the
     walk reaches it: the same numbers as :func:`walk_draws`), then each request's walk on the host
     (:func:`_assemble`'s outputs)."""
+    usable = c.usable
     if c.method == "greedy":
         drawn = greedy_ids(logits)
-        has_mass = torch.ones(c.B, c.N, dtype=torch.bool)
     else:
         flat = proc.sample(draw(STREAM_SAMPLE, c.N).reshape(-1))
         drawn = flat.view(c.B, c.N)
-        has_mass = (proc.prob(flat) > 0).view(c.B, c.N)  # without, the draw is 0, of target probability 0: no child
-    drawn, tokens, usable, has_mass = drawn.tolist(), c.x.tolist(), c.usable.tolist(), has_mass.tolist()
+        # a row without mass draws 0, of target probability 0: no child of that node is accepted
+        has_mass = (proc.prob(flat) > 0).view(c.B, c.N)
+        usable = usable & has_mass.gather(1, c.tree.parents.clamp(min=0))
+    drawn, tokens, usable = drawn.tolist(), c.x.tolist(), usable.tolist()
     walks = []
     for b in range(c.B):
         kids, nodes = _kids(c.tree, b), [0]
         while True:
             y = drawn[b][nodes[-1]]
-            moves = kids[nodes[-1]] if has_mass[b][nodes[-1]] else ()
-            nxt = next((k for k in moves if usable[b][k] and tokens[b][k] == y), -1)
+            nxt = next((k for k in kids[nodes[-1]] if usable[b][k] and tokens[b][k] == y), -1)
             if nxt < 0:
                 break
             nodes.append(nxt)

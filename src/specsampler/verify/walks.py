@@ -23,6 +23,7 @@ from ..sampling.greedy import greedy_ids
 from ..sampling.masses import as_weight, divide_by, has_mass, nonnegative_rows, sample_by_inversion
 from ..sampling.processing import SCRATCH, Processed, process
 from ..sampling.vocab import Vocab
+from .chain import accepts
 from .drafts import Drafts
 from .token_tree import TokenTree
 
@@ -317,8 +318,7 @@ def walk_rrs(c: TreeInputs, rows: TargetRows, rng, op: str, draw=None) -> tuple[
             held = None if ids is None else ids[trying]
             q = q_shared[trying] if q_shared is not None else c.q[b, k] if ids is None else None
             q_x = c.q[b, k, xk] if q is None else vocab.value(q, xk)  # held rows: q read where needed only
-            r_x = _value(r[trying], held, xk, vocab)
-            ok = c.usable[b, k] & (u_accept[b, k] * q_x < r_x) & (r_x > 0)  # r(x) = 0: never, whatever q(x) says
+            ok = c.usable[b, k] & accepts(u_accept[b, k], q_x, _value(r[trying], held, xk, vocab))
             chosen[trying[ok]] = k[ok]
             rej = trying[~ok]
             if q is None:
